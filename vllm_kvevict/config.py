@@ -1,0 +1,171 @@
+"""The eviction configuration: one validated pydantic model.
+
+It reaches every vLLM process as ``vllm_config.additional_config["kv_eviction"]``
+(a plain dict, so it pickles across the spawned engine and worker processes),
+whether it came from ``vllm serve --kv-eviction`` or from
+``LLM(..., additional_config={"kv_eviction": {...}})``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
+
+ADDITIONAL_CONFIG_KEY = "kv_eviction"
+
+
+class KVEvictionConfigError(ValueError):
+    """A configuration mistake, explained in one sentence that names the fix."""
+
+
+class EvictionConfig(BaseModel):
+    """Per-request KV-cache eviction settings (all lengths in tokens per KV head)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = Field(description="eviction policy: " + ", ".join(sorted(POLICIES)))
+    budget: int = Field(
+        512,
+        ge=1,
+        description="tokens each KV head keeps after an eviction (rounded up to "
+        "fill the block the cut falls in, which the request holds anyway)",
+    )
+    sink_tokens: int = Field(4, ge=0, description="first tokens of the sequence always kept")
+    recent_window: int = Field(
+        32, ge=0, description="most recent tokens always kept at an eviction"
+    )
+    observation_window: int = Field(
+        32, ge=1, description="recent queries that query-based policies (snapkv) score with"
+    )
+    decode_interval: int = Field(
+        32, ge=1, description="decode steps between two evictions (N)"
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="options of the chosen policy, e.g. snapkv kernel_size"
+    )
+    cpu_attention: Literal["native", "torch"] = Field(
+        "native",
+        description="CPU attention over the retained tokens: 'native' runs vLLM's "
+        "C++ kernel on a shifted block table, 'torch' the reference implementation",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EvictionConfig:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"unknown eviction policy {self.policy!r}; choose one of: "
+                + ", ".join(sorted(POLICIES))
+            )
+        if self.budget < self.sink_tokens + self.recent_window:
+            raise ValueError(
+                f"budget {self.budget} cannot hold sink_tokens ({self.sink_tokens}) + "
+                f"recent_window ({self.recent_window}); raise budget to at least "
+                f"{self.sink_tokens + self.recent_window} or shrink the window"
+            )
+        make_policy(self.policy, self.policy_options)
+        return self
+
+    def build_policy(self) -> EvictionPolicy:
+        return make_policy(self.policy, self.policy_options)
+
+    def to_additional_config(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    message = first.get("msg", str(error)).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def parse_config_source(source: str) -> dict[str, Any]:
+    """Read ``--kv-eviction-config``: inline JSON, or a path to a JSON/YAML file."""
+    text = source.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KVEvictionConfigError(
+                f"--kv-eviction-config is not valid JSON ({exc.msg} at column {exc.colno}); "
+                "pass a JSON object or a path to a .json/.yaml file"
+            ) from None
+    else:
+        if not os.path.isfile(text):
+            raise KVEvictionConfigError(
+                f"--kv-eviction-config {text!r} is neither inline JSON nor an existing "
+                "file; pass a JSON object or a path to a .json/.yaml file"
+            )
+        with open(text, encoding="utf-8") as handle:
+            content = handle.read()
+        try:
+            if text.endswith(".json"):
+                data = json.loads(content)
+            else:
+                import yaml
+
+                data = yaml.safe_load(content)
+        except Exception as exc:  # json.JSONDecodeError or yaml.YAMLError
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise KVEvictionConfigError(
+                f"cannot parse {text!r} ({first_line}); fix the file's syntax"
+            ) from None
+    if not isinstance(data, dict):
+        raise KVEvictionConfigError(
+            "--kv-eviction-config must hold a mapping of settings, e.g. "
+            '\'{"budget": 512}\''
+        )
+    return data
+
+
+def build_config(data: dict[str, Any]) -> EvictionConfig:
+    try:
+        return EvictionConfig(**data)
+    except ValidationError as exc:
+        raise KVEvictionConfigError(f"invalid KV eviction config: {_describe(exc)}") from None
+
+
+def config_from_cli(policy: str | None, config_source: str | None) -> EvictionConfig | None:
+    """Combine ``--kv-eviction`` and ``--kv-eviction-config`` (the flag's policy wins)."""
+    if policy is None and config_source is None:
+        return None
+    data = parse_config_source(config_source) if config_source is not None else {}
+    if policy is not None:
+        data["policy"] = policy
+    if "policy" not in data:
+        raise KVEvictionConfigError(
+            "--kv-eviction-config names no policy; add --kv-eviction POLICY "
+            f"(one of: {', '.join(sorted(POLICIES))})"
+        )
+    return build_config(data)
+
+
+def config_from_additional(additional_config: dict[str, Any] | None) -> EvictionConfig | None:
+    """The eviction config carried by a ``VllmConfig``, or None when eviction is off."""
+    if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
+        return None
+    data = additional_config[ADDITIONAL_CONFIG_KEY]
+    if isinstance(data, EvictionConfig):
+        return data
+    if isinstance(data, str):
+        data = parse_config_source(data)
+    if not isinstance(data, dict):
+        raise KVEvictionConfigError(
+            'additional_config["kv_eviction"] must be a mapping such as '
+            '{"policy": "snapkv", "budget": 512}'
+        )
+    return build_config(data)
+
+
+def help_text() -> str:
+    """The settings table shown by ``vllm serve --help``."""
+    lines = []
+    for name, field in EvictionConfig.model_fields.items():
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        lines.append(f"{name} ({default}): {field.description}")
+    return "; ".join(lines)

@@ -1,0 +1,104 @@
+"""The policy interface: tensors in, retained token indices per KV head out.
+
+Policies know nothing of vLLM. The serving backend and the reference decoder
+both call :meth:`EvictionPolicy.select` with the same inputs, so a policy is
+written once and checked outside vLLM.
+
+Shapes (one request, one layer)::
+
+    keys, values     [H, S, D]   the live tokens of each KV head, in slot order
+                                  (post-RoPE keys, as cached)
+    key_positions    [H, S]      original token position of each slot
+    queries          [Hq, W, D]  the last W queries before the eviction point
+                                  (post-RoPE), or None for query-free policies
+    query_positions  [W]
+
+``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
+KV head ``j // G``, as in vLLM and transformers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class ScoringInputs:
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_positions: torch.Tensor
+    queries: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    scale: float
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+
+@dataclass
+class EvictionPolicy(ABC):
+    """Base class: a policy scores tokens; the base class keeps the best.
+
+    Subclasses implement :meth:`score` (higher = more worth keeping) and set
+    :attr:`needs_queries` when the score reads recent queries.
+    """
+
+    name: ClassVar[str]
+    needs_queries: ClassVar[bool] = False
+
+    @abstractmethod
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Importance of each live token, shape ``[H, S]``."""
+
+    def select(
+        self,
+        inputs: ScoringInputs,
+        num_keep: int,
+        num_sink: int,
+        num_recent: int,
+        point: int,
+    ) -> torch.Tensor:
+        """Indices (into S) of the tokens each head keeps, sorted, ``[H, num_keep]``.
+
+        The first ``num_sink`` tokens of the sequence and the ``num_recent``
+        tokens before the eviction ``point`` are always kept; the rest of the
+        budget goes to the highest scores.
+        """
+        num_heads, num_live = inputs.key_positions.shape
+        if num_keep >= num_live:
+            return (
+                torch.arange(num_live, device=inputs.keys.device)
+                .unsqueeze(0)
+                .expand(num_heads, num_live)
+            )
+        scores = self.score(inputs).float()
+        positions = inputs.key_positions
+        protected = (positions < num_sink) | (positions >= point - num_recent)
+        scores = scores.masked_fill(protected, float("inf"))
+        kept = torch.topk(scores, num_keep, dim=-1, sorted=False).indices
+        return kept.sort(dim=-1).values
+
+
+def grouped_attention_probs(inputs: ScoringInputs) -> torch.Tensor:
+    """Causal softmax attention of the observation queries, ``[H, G, W, S]``.
+
+    A query attends to a key only when the key's position is not after the
+    query's, exactly as during the forward pass.
+    """
+    assert inputs.queries is not None and inputs.query_positions is not None
+    num_kv_heads, _, head_dim = inputs.keys.shape
+    num_q_heads, window, _ = inputs.queries.shape
+    group = num_q_heads // num_kv_heads
+    queries = inputs.queries.float().view(num_kv_heads, group, window, head_dim)
+    logits = torch.einsum("hgwd,hsd->hgws", queries, inputs.keys.float())
+    logits = logits * inputs.scale
+    future = inputs.key_positions[:, None, None, :] > inputs.query_positions[
+        None, None, :, None
+    ]
+    logits = logits.masked_fill(future, float("-inf"))
+    return torch.softmax(logits, dim=-1)

@@ -1,0 +1,98 @@
+"""When eviction happens and which blocks a request still holds.
+
+Both sides of vLLM use this module and nothing else to agree on memory:
+
+* the scheduler's :class:`~vllm_kvevict.vllm_glue.manager.EvictionManager`
+  frees every block below :meth:`EvictionSchedule.frontier`;
+* the worker's attention backend compacts the retained tokens of every
+  (layer, KV head) into the slots ``[frontier, P)`` inside the forward pass
+  that reaches eviction point ``P``.
+
+Everything here is a pure function of the number of processed tokens ``n`` and
+the prompt length, so the two processes agree without any feedback channel
+(vLLM never tells the worker which blocks were freed, and the worker never
+tells the scheduler what it evicted).
+
+Eviction points
+    * ``per_chunk`` prefill: the end of every prefill step, i.e. every ``n``
+      up to the prompt length (a scheduler step always ends a chunk, so the
+      last eviction point at or below ``n`` is ``n`` itself);
+    * decode: ``prompt_len + k * interval`` for ``k >= 1`` (every ``interval``
+      decode steps).
+
+Storage rule
+    After eviction at point ``P`` each KV head keeps the tokens in slots
+    ``[F, P)`` where ``F = floor((P - budget) / block_size) * block_size``:
+    at least ``budget`` tokens, and as many more (fewer than one block) as
+    fill the block the frontier falls in. That block is held by the request
+    anyway, so the extra tokens cost no memory and keep the retained region
+    block-aligned, which lets the stock paged kernels read it through a
+    shifted block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class EvictionSchedule:
+    budget: int
+    """Minimum tokens retained per KV head after an eviction."""
+    interval: int
+    """Decode steps between two decode-time evictions."""
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.budget < 1 or self.interval < 1 or self.block_size < 1:
+            raise ValueError(f"invalid eviction schedule {self}")
+
+    def last_eviction_point(self, n: int, prompt_len: int) -> int:
+        """The last eviction point at or below ``n`` processed tokens."""
+        if n <= prompt_len:
+            return n
+        return prompt_len + (n - prompt_len) // self.interval * self.interval
+
+    def frontier_at_point(self, point: int) -> int:
+        """First live slot after evicting at ``point`` (block-aligned)."""
+        return max(0, (point - self.budget) // self.block_size) * self.block_size
+
+    def frontier(self, n: int, prompt_len: int) -> int:
+        """First live slot once ``n`` tokens have been processed.
+
+        Every slot below it belongs to an evicted token, so every block below
+        ``frontier // block_size`` can be returned to the pool.
+        """
+        return self.frontier_at_point(self.last_eviction_point(n, prompt_len))
+
+    def eviction_point_in_step(
+        self, n_before: int, n_after: int, prompt_len: int
+    ) -> int | None:
+        """The eviction point a step ``(n_before, n_after]`` must apply, if any.
+
+        A step may cross several decode points only when a preempted request
+        recomputes its generated tokens in one chunk; applying the last one is
+        enough because the frontier only depends on the last point.
+        """
+        point = self.last_eviction_point(n_after, prompt_len)
+        return point if point > n_before else None
+
+    def max_blocks_per_request(self, max_step_tokens: int) -> int:
+        """Most blocks a request holds at once, for admission and pool sizing.
+
+        When a step over ``(n, n + c]`` is allocated, the request holds slots
+        ``[F(n), n + c)``. ``n - P_e(n) <= interval - 1`` and
+        ``P_e(n) - F(n) <= budget + block_size - 1``, so the span is at most
+        ``budget + interval + c + block_size - 2`` tokens from a block-aligned
+        start.
+        """
+        span = self.budget + self.interval + max_step_tokens + self.block_size - 2
+        return cdiv(span, self.block_size)
+
+    def retained_capacity(self) -> int:
+        """Largest number of compacted tokens a head can hold (side buffers)."""
+        return self.budget + self.block_size

@@ -1,0 +1,409 @@
+"""The evicting attention backend for vLLM's CPU platform.
+
+Registered over ``AttentionBackendEnum.CPU_ATTN`` (the CPU platform ignores
+``--attention-backend`` but honours overrides). With eviction off every method
+falls through to vLLM's own CPU backend.
+
+With eviction on, each request's live tokens sit in the slots
+``[frontier, seq_len)`` of its block-table row (see ``vllm_kvevict.schedule``):
+
+* attention reads exactly that region: vLLM's C++ kernel through a block table
+  and sequence lengths shifted by the (block-aligned) frontier, or the torch
+  reference (``cpu_attention="torch"``);
+* in the forward pass that reaches an eviction point, after its attention,
+  each layer scores its live tokens with the policy, keeps the best of every
+  KV head, and compacts them into ``[new_frontier, point)``; the scheduler
+  frees the blocks below the new frontier once the step's output is in.
+
+New tokens are written by vLLM's own ``do_kv_cache_update`` at their true
+slots, and RoPE positions stay true: only what attention reads changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
+from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
+from vllm_kvevict.schedule import EvictionSchedule, cdiv
+from vllm import _custom_ops as ops
+
+from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
+from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.vllm_glue.runner_hooks import (
+    current_batch,
+    install_runner_hooks,
+    on_requests_finished,
+)
+from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
+from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+
+
+# The worker's VllmConfig, remembered when the attention layers are built:
+# vLLM asks customize_spec() later, outside any set_current_vllm_config().
+_worker_vllm_config: VllmConfig | None = None
+
+
+def worker_vllm_config() -> VllmConfig | None:
+    return get_current_vllm_config_or_none() or _worker_vllm_config
+
+
+def active_config(vllm_config: VllmConfig | None = None) -> EvictionConfig | None:
+    vllm_config = vllm_config or worker_vllm_config()
+    if vllm_config is None:
+        return None
+    return config_from_additional(vllm_config.additional_config)
+
+
+class KVEvictCPUBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        # Must name an existing enum member: Attention looks itself up by it.
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[KVEvictCPUImpl]:
+        return KVEvictCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVEvictCPUMetadataBuilder]:
+        return KVEvictCPUMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        spec = super().customize_spec(spec)
+        vllm_config = worker_vllm_config()
+        config = active_config(vllm_config)
+        if config is None:
+            return spec
+        if not is_plain_full_attention(spec):
+            raise KVEvictionConfigError(
+                f"--kv-eviction supports full-attention decoder layers only, and this model "
+                f"has {type(spec).__name__} layers; serve it without --kv-eviction"
+            )
+        assert vllm_config is not None
+        return EvictingAttentionSpec.from_full_attention(
+            spec,
+            budget=config.budget,
+            interval=config.decode_interval,
+            max_step_tokens=vllm_config.max_in_flight_tokens,
+        )
+
+
+@dataclass
+class RequestEviction:
+    """One request that reaches an eviction point in this step."""
+
+    batch_index: int
+    state_row: int
+    query_start: int  # index of the request's first token in the batch
+    tokens_before: int  # n_before: tokens processed before this step
+    last_point_before: int  # last eviction point at or below n_before
+    frontier_before: int
+    point: int
+    frontier_after: int
+
+
+@dataclass
+class EvictionStepPlan:
+    """Per-step eviction work, built once and shared by every layer."""
+
+    config: EvictionConfig
+    policy: EvictionPolicy
+    schedule: EvictionSchedule
+    state: WorkerEvictionState
+    layer_index: dict[str, int]
+    page_layout: PageLayout
+    block_table: torch.Tensor  # unshifted, [num_reqs, max_blocks]
+    query_start: list[int]
+    seq_lens: list[int]
+    frontier_before: list[int]
+    evictions: list[RequestEviction]
+    ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
+    ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
+
+
+@dataclass
+class KVEvictCPUMetadata(CPUAttentionMetadata):
+    eviction: EvictionStepPlan | None = None
+
+
+class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config: EvictionConfig | None = None
+        if not isinstance(kv_cache_spec, EvictingAttentionSpec):
+            return
+        config = active_config(vllm_config)
+        assert config is not None
+        self.config = config
+        self.policy = config.build_policy()
+        self.schedule = kv_cache_spec.schedule()
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.page_layout = probe_page_layout(
+            self.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype, self.isa
+        )
+        self.state = WorkerEvictionState(
+            num_layers=len(layer_names),
+            num_kv_heads=kv_cache_spec.num_kv_heads,
+            num_q_heads=self.num_heads,
+            head_dim=kv_cache_spec.head_size,
+            retained_capacity=self.schedule.retained_capacity(),
+            query_window=config.observation_window if self.policy.needs_queries else 0,
+            query_dtype=vllm_config.model_config.dtype,
+            device=device,
+        )
+        install_runner_hooks()
+        on_requests_finished(self.state.release)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CPUAttentionMetadata:
+        batch = current_batch()
+        cm = common_attn_metadata
+        if self.config is None or batch is None or len(batch.req_ids) != cm.num_reqs:
+            # Eviction off, or one of vLLM's dummy/profiling runs.
+            return super().build(common_prefix_len, cm, fast_build)
+
+        schedule, bs = self.schedule, self.schedule.block_size
+        query_start = cm.query_start_loc_cpu.tolist()
+        seq_lens = cm.seq_lens.cpu().tolist()
+        window = self.state.query_window
+        frontier_before: list[int] = []
+        evictions: list[RequestEviction] = []
+        ring_tokens: list[torch.Tensor] = []
+        ring_slots: list[torch.Tensor] = []
+        for i, req_id in enumerate(batch.req_ids):
+            prompt_len = int(batch.prompt_lens[i])
+            n_after = seq_lens[i]
+            n_before = n_after - (query_start[i + 1] - query_start[i])
+            frontier = schedule.frontier(n_before, prompt_len)
+            frontier_before.append(frontier)
+            row = self.state.row(req_id)
+            point = schedule.eviction_point_in_step(n_before, n_after, prompt_len)
+            if point is not None:
+                evictions.append(
+                    RequestEviction(
+                        batch_index=i,
+                        state_row=row,
+                        query_start=query_start[i],
+                        tokens_before=n_before,
+                        last_point_before=schedule.last_eviction_point(n_before, prompt_len),
+                        frontier_before=frontier,
+                        point=point,
+                        frontier_after=schedule.frontier_at_point(point),
+                    )
+                )
+            if window:
+                first = max(n_before, n_after - window)
+                positions = torch.arange(first, n_after)
+                ring_tokens.append(query_start[i] + positions - n_before)
+                ring_slots.append(row * window + positions % window)
+
+        # Attention reads [frontier, seq_len): shift each block-table row by the
+        # frontier's block and shorten the sequence accordingly.
+        frontier = torch.tensor(frontier_before, dtype=cm.seq_lens.dtype)
+        table = cm.block_table_tensor
+        width = table.shape[1]
+        columns = torch.arange(width)[None, :] + (frontier // bs)[:, None].to(torch.int64)
+        shifted_table = table.gather(1, columns.clamp_(max=width - 1).to(table.device))
+        shifted_lens = cm.seq_lens - frontier.to(cm.seq_lens.device)
+        shifted = dataclasses.replace(
+            cm,
+            seq_lens=shifted_lens,
+            block_table_tensor=shifted_table,
+            max_seq_len=int(shifted_lens.max()) if cm.num_reqs else 0,
+        )
+        metadata = super().build(common_prefix_len, shifted, fast_build)
+        plan = EvictionStepPlan(
+            config=self.config,
+            policy=self.policy,
+            schedule=schedule,
+            state=self.state,
+            layer_index=self.layer_index,
+            page_layout=self.page_layout,
+            block_table=table,
+            query_start=query_start,
+            seq_lens=seq_lens,
+            frontier_before=frontier_before,
+            evictions=evictions,
+            ring_tokens=torch.cat(ring_tokens) if ring_tokens else None,
+            ring_slots=torch.cat(ring_slots) if ring_slots else None,
+        )
+        values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+        return KVEvictCPUMetadata(**values, eviction=plan)
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU page layout: each (block, head) page is a K block then a V block."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    paged = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
+    key_cache, value_cache = paged.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+class KVEvictCPUImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        global _worker_vllm_config
+        super().__init__(*args, **kwargs)
+        _worker_vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        plan = getattr(attn_metadata, "eviction", None)
+        if plan is None:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        if plan.config.cpu_attention == "native":
+            super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
+        else:
+            self._torch_attention(plan, query, key_cache, value_cache, output)
+        layer_index = plan.layer_index[layer.layer_name]
+        for eviction in plan.evictions:
+            self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
+        if plan.ring_tokens is not None:
+            ring = plan.state.query_ring[layer_index]
+            ring.view(-1, *ring.shape[2:]).index_copy_(
+                0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
+            )
+        return output
+
+    def _torch_attention(
+        self,
+        plan: EvictionStepPlan,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        bs = plan.schedule.block_size
+        for i, seq_len in enumerate(plan.seq_lens):
+            start, end = plan.query_start[i], plan.query_start[i + 1]
+            frontier = plan.frontier_before[i]
+            block_ids = plan.block_table[i, frontier // bs : cdiv(seq_len, bs)]
+            length = seq_len - frontier
+            keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
+            values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
+            output[start:end] = region_attention_reference(
+                query[start:end], keys, values, frontier, self.scale
+            ).to(output.dtype)
+
+    def _evict(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        layer_index: int,
+        ev: RequestEviction,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> None:
+        """Keep the policy's choice of the live tokens below ``ev.point``."""
+        config, state, bs = plan.config, plan.state, plan.schedule.block_size
+        positions_row = state.positions[layer_index, ev.state_row]  # [H, capacity]
+        num_compacted = ev.last_point_before - ev.frontier_before
+        num_live = ev.point - ev.frontier_before
+        new_positions = torch.arange(ev.last_point_before, ev.point, device=positions_row.device)
+        if ev.frontier_after == ev.frontier_before:
+            # The frontier stays in its block: every live token is kept where
+            # it is; only record where the new ones came from.
+            positions_row[:, num_compacted:num_live] = new_positions
+            return
+        block_row = plan.block_table[ev.batch_index]
+        old_blocks = block_row[ev.frontier_before // bs : cdiv(ev.point, bs)]
+        keys = plan.page_layout.read_pages(key_cache, old_blocks, is_key=True)[:, :num_live]
+        values = plan.page_layout.read_pages(value_cache, old_blocks, is_key=False)[:, :num_live]
+        num_heads = keys.shape[0]
+        positions = torch.cat(
+            [positions_row[:, :num_compacted], new_positions.expand(num_heads, -1)], dim=1
+        )
+        queries = query_positions = None
+        if plan.policy.needs_queries:
+            queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
+        num_keep = ev.point - ev.frontier_after
+        kept = plan.policy.select(
+            ScoringInputs(keys, values, positions, queries, query_positions, self.scale),
+            num_keep,
+            config.sink_tokens,
+            config.recent_window,
+            ev.point,
+        )
+        gather_index = kept.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        # Write the survivors to slots [frontier_after, point) through vLLM's
+        # own cache-write op, so they land in the kernel's page order.
+        slots = torch.arange(ev.frontier_after, ev.point)
+        slot_mapping = block_row[slots // bs].long() * bs + slots % bs
+        ops.cpu_attn_reshape_and_cache(
+            keys.gather(1, gather_index).transpose(0, 1).contiguous(),
+            values.gather(1, gather_index).transpose(0, 1).contiguous(),
+            key_cache,
+            value_cache,
+            slot_mapping,
+            layer.isa,  # type: ignore[attr-defined]
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        positions_row[:, :num_keep] = positions.gather(1, kept)
+
+    def _observation_queries(
+        self,
+        plan: EvictionStepPlan,
+        layer_index: int,
+        ev: RequestEviction,
+        query: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries of positions ``[point - W, point)``, ``[Hq, W, D]``.
+
+        Positions processed in this step come from its query tensor; earlier
+        ones from the ring, which this layer has not updated yet this step.
+        """
+        window = plan.state.query_window
+        positions = torch.arange(max(0, ev.point - window), ev.point)
+        from_ring = positions < ev.tokens_before
+        ring = plan.state.query_ring[layer_index, ev.state_row]  # [W, Hq, D]
+        gathered = torch.empty(
+            (positions.numel(), query.shape[1], query.shape[2]), dtype=query.dtype
+        )
+        gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
+        fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
+        gathered[~from_ring] = query[fresh]
+        return gathered.transpose(0, 1), positions

@@ -1,0 +1,229 @@
+"""Scheduler side: the KV-cache spec of evicting layers and its block manager.
+
+The worker's backend turns every ``FullAttentionSpec`` into an
+:class:`EvictingAttentionSpec` (``customize_spec``); vLLM pickles it to the
+engine core, whose ``KVCacheSpecRegistry`` then builds an
+:class:`EvictionManager` for the group. The manager frees, after each step, the
+blocks below the eviction frontier that the worker has compacted away, with
+vLLM's own null-block mechanism (as for sliding-window layers), and sizes
+admission to the budget instead of the full sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vllm_kvevict.schedule import EvictionSchedule, cdiv
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+STATS_PATH_ENV = "KVEVICT_STATS_PATH"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictingAttentionSpec(FullAttentionSpec):
+    """A full-attention layer whose requests keep at most a budget of tokens."""
+
+    evict_budget: int
+    evict_interval: int
+    evict_max_step_tokens: int
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        # Compaction rewrites blocks in place: their contents no longer match
+        # any prefix hash, so they must never be shared or looked up.
+        return False
+
+    def schedule(self) -> EvictionSchedule:
+        return EvictionSchedule(self.evict_budget, self.evict_interval, self.block_size)
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        return min(
+            cdiv(max_model_len, self.block_size),
+            self.schedule().max_blocks_per_request(self.evict_max_step_tokens),
+        )
+
+    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
+        # What one request can hold at once, so vLLM's start-up check admits a
+        # max_model_len whose full KV cache would not fit in memory.
+        max_model_len = vllm_config.model_config.max_model_len
+        return self.max_blocks_per_request(max_model_len) * self.page_size_bytes
+
+    @classmethod
+    def merge(cls, specs: list[EvictingAttentionSpec]) -> EvictingAttentionSpec:  # type: ignore[override]
+        # FullAttentionSpec.merge rebuilds the base class from its own fields
+        # and would silently drop ours (and with them, eviction).
+        extra = {(s.evict_budget, s.evict_interval, s.evict_max_step_tokens) for s in specs}
+        if len(extra) != 1:
+            raise ValueError(f"layers of one KV cache group disagree on eviction: {extra}")
+        budget, interval, step_tokens = extra.pop()
+        base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
+        values = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec) if f.init}
+        return cls(
+            **values,
+            evict_budget=budget,
+            evict_interval=interval,
+            evict_max_step_tokens=step_tokens,
+        )
+
+    @classmethod
+    def from_full_attention(
+        cls, spec: FullAttentionSpec, budget: int, interval: int, max_step_tokens: int
+    ) -> EvictingAttentionSpec:
+        values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
+        return cls(
+            **values,
+            evict_budget=budget,
+            evict_interval=interval,
+            evict_max_step_tokens=max_step_tokens,
+        )
+
+
+@dataclass
+class ManagerStats:
+    """Counters of one engine's eviction manager (blocks of this KV group)."""
+
+    blocks_freed_by_eviction: int = 0
+    eviction_frees: int = 0
+    requests_admitted: int = 0
+    blocks_held: int = 0
+    peak_blocks_held: int = 0
+    live_requests: int = 0
+    per_request_peak_blocks: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["max_request_peak_blocks"] = max(self.per_request_peak_blocks.values(), default=0)
+        del data["per_request_peak_blocks"]
+        return data
+
+
+class EvictionManager(FullAttentionManager):
+    """Frees, per request, every block below the eviction frontier."""
+
+    def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs: Any) -> None:
+        self.schedule = kv_cache_spec.schedule()
+        # vLLM passes an admission cap only to sliding-window-like specs; a
+        # request of ours never holds more than this, so admit it on that basis.
+        kwargs["max_admission_blocks_per_request"] = self.schedule.max_blocks_per_request(
+            kv_cache_spec.evict_max_step_tokens
+        )
+        super().__init__(kv_cache_spec, **kwargs)
+        self.stats = ManagerStats()
+        self._stats_path = os.environ.get(STATS_PATH_ENV)
+        self._last_write = 0.0
+        self._lock = threading.Lock()
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        if num_prompt_tokens is None:
+            raise RuntimeError(
+                "vllm-kvevict needs the prompt length to place the eviction frontier; "
+                "this vLLM code path is not supported (is a KV connector configured?)"
+            )
+        if request_id not in self.req_to_blocks:
+            return
+        frontier = self.schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        blocks = self.req_to_blocks[request_id]
+        last = min(frontier // self.block_size, len(blocks))
+        freed = sum(1 for block in blocks[:last] if not block.is_null)
+        if freed:
+            self._remove_blocks_in_range(request_id, 0, last)
+            self.stats.blocks_freed_by_eviction += freed
+            self.stats.eviction_frees += 1
+            self._account(request_id)
+
+    def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        is_new = request_id not in self.req_to_blocks
+        new_blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
+        if is_new:
+            self.stats.requests_admitted += 1
+        if new_blocks:
+            self._account(request_id)
+        return new_blocks
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.stats.per_request_peak_blocks.pop(request_id, None)
+        self._account(None, force=True)
+
+    def _account(self, request_id: str | None, force: bool = False) -> None:
+        stats = self.stats
+        if request_id is not None:
+            held = sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
+            peaks = stats.per_request_peak_blocks
+            peaks[request_id] = max(peaks.get(request_id, 0), held)
+        # One pool, one evicting group: every used block is held by a request
+        # (block 0 is vLLM's null block and never free).
+        pool = self.block_pool
+        stats.blocks_held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        stats.live_requests = len(self.req_to_blocks)
+        stats.peak_blocks_held = max(stats.peak_blocks_held, stats.blocks_held)
+        self._write_snapshot(force)
+
+    def _write_snapshot(self, force: bool) -> None:
+        """Publish the counters for tests and tools (``KVEVICT_STATS_PATH``)."""
+        if not self._stats_path:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_write < 0.05:
+            return
+        self._last_write = now
+        data = self.stats.as_dict()
+        data["num_blocks"] = self.block_pool.num_gpu_blocks
+        data["free_blocks"] = self.block_pool.get_num_free_blocks()
+        data["max_admission_blocks_per_request"] = self.max_admission_blocks_per_request
+        data["pid"] = os.getpid()
+        directory = os.path.dirname(os.path.abspath(self._stats_path))
+        with self._lock:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvevict-stats")
+            with os.fdopen(fd, "w") as handle:
+                json.dump(data, handle)
+            os.replace(tmp, self._stats_path)
+
+
+def register_spec() -> None:
+    """Map our spec to our manager, after vLLM's built-ins (see _ensure_registered)."""
+    # The registry only registers the built-in specs when it is empty; do that
+    # first or FullAttentionSpec itself would have no manager.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(
+        EvictingAttentionSpec, EvictionManager, uniform_type_base_spec=FullAttentionSpec
+    )
+    probe = EvictingAttentionSpec(
+        block_size=32,
+        num_kv_heads=1,
+        head_size=32,
+        dtype=torch.float32,
+        evict_budget=32,
+        evict_interval=1,
+        evict_max_step_tokens=32,
+    )
+    manager = KVCacheSpecRegistry.get_manager_class(probe)
+    if manager is not EvictionManager:
+        # An unregistered subclass silently falls back to FullAttentionManager:
+        # that would serve without ever freeing a block.
+        raise RuntimeError(
+            f"vLLM's KVCacheSpecRegistry resolved EvictingAttentionSpec to {manager}; "
+            "this vLLM version is not supported by vllm-kvevict"
+        )
+
+
+def is_plain_full_attention(spec: AttentionSpec) -> bool:
+    return type(spec) is FullAttentionSpec
