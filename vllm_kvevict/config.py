@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
+from vllm_kvevict.schedule import EvictionSchedule
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
 
@@ -45,6 +46,14 @@ class EvictionConfig(BaseModel):
     decode_interval: int = Field(
         32, ge=1, description="decode steps between two evictions (N)"
     )
+    prefill_mode: Literal["per_chunk", "end_of_prompt"] = Field(
+        None,  # type: ignore[assignment]  # resolved per policy below
+        description="default per policy (snapkv: end_of_prompt, streamingllm: "
+        "per_chunk); per_chunk: evict after every prefill chunk (memory bounded by "
+        "budget + chunk, so prompts longer than the KV pool are served); end_of_prompt: "
+        "hold the whole prompt during prefill and evict once at its end, so query-based "
+        "policies score with the question (the full prompt must fit in memory)",
+    )
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="options of the chosen policy, e.g. snapkv kernel_size"
     )
@@ -53,6 +62,16 @@ class EvictionConfig(BaseModel):
         description="CPU attention over the retained tokens: 'native' runs vLLM's "
         "C++ kernel on a shifted block table, 'torch' the reference implementation",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_prefill_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prefill_mode") is None:
+            name = data.get("policy")
+            policy = POLICIES.get(name) if isinstance(name, str) else None
+            if policy is not None:
+                data = {**data, "prefill_mode": policy.default_prefill_mode}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> EvictionConfig:
@@ -70,6 +89,9 @@ class EvictionConfig(BaseModel):
         make_policy(self.policy, self.policy_options)
         return self
 
+    def schedule(self, block_size: int) -> EvictionSchedule:
+        return EvictionSchedule(self.budget, self.decode_interval, block_size, self.prefill_mode)
+
     def build_policy(self) -> EvictionPolicy:
         return make_policy(self.policy, self.policy_options)
 
@@ -79,6 +101,9 @@ class EvictionConfig(BaseModel):
 
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
+    if first.get("type") == "extra_forbidden":
+        valid = ", ".join(EvictionConfig.model_fields)
+        return f"unknown setting {first['loc'][-1]!r}; valid settings are: {valid}"
     where = ".".join(str(part) for part in first.get("loc", ()))
     message = first.get("msg", str(error)).removeprefix("Value error, ")
     return f"{where}: {message}" if where else message

@@ -17,6 +17,7 @@ Eviction points
     * ``per_chunk`` prefill: the end of every prefill step, i.e. every ``n``
       up to the prompt length (a scheduler step always ends a chunk, so the
       last eviction point at or below ``n`` is ``n`` itself);
+    * ``end_of_prompt`` prefill: only the prompt length;
     * decode: ``prompt_len + k * interval`` for ``k >= 1`` (every ``interval``
       decode steps).
 
@@ -33,6 +34,9 @@ Storage rule
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+PrefillMode = Literal["per_chunk", "end_of_prompt"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,6 +50,10 @@ class EvictionSchedule:
     interval: int
     """Decode steps between two decode-time evictions."""
     block_size: int
+    prefill_mode: PrefillMode = "per_chunk"
+    """``per_chunk``: evict after every prefill chunk (memory bounded by budget
+    + chunk); ``end_of_prompt``: keep the whole prompt until its last chunk,
+    then evict once, so query-based policies score with the question."""
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.interval < 1 or self.block_size < 1:
@@ -53,6 +61,8 @@ class EvictionSchedule:
 
     def last_eviction_point(self, n: int, prompt_len: int) -> int:
         """The last eviction point at or below ``n`` processed tokens."""
+        if n < prompt_len and self.prefill_mode == "end_of_prompt":
+            return 0
         if n <= prompt_len:
             return n
         return prompt_len + (n - prompt_len) // self.interval * self.interval
@@ -81,8 +91,10 @@ class EvictionSchedule:
         point = self.last_eviction_point(n_after, prompt_len)
         return point if point > n_before else None
 
-    def max_blocks_per_request(self, max_step_tokens: int) -> int:
+    def max_blocks_per_request(self, max_step_tokens: int) -> int | None:
         """Most blocks a request holds at once, for admission and pool sizing.
+
+        None in ``end_of_prompt`` mode: the whole prompt is held during prefill.
 
         When a step over ``(n, n + c]`` is allocated, the request holds slots
         ``[F(n), n + c)``. ``n - P_e(n) <= interval - 1`` and
@@ -90,6 +102,8 @@ class EvictionSchedule:
         ``budget + interval + c + block_size - 2`` tokens from a block-aligned
         start.
         """
+        if self.prefill_mode == "end_of_prompt":
+            return None
         span = self.budget + self.interval + max_step_tokens + self.block_size - 2
         return cdiv(span, self.block_size)
 

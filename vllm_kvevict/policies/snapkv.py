@@ -28,6 +28,7 @@ class SnapKVPolicy(EvictionPolicy):
 
     name = "snapkv"
     needs_queries = True
+    default_prefill_mode = "end_of_prompt"
     kernel_size: int = 7
     pooling: Literal["max", "avg"] = "max"
 

@@ -32,11 +32,13 @@ from vllm_kvevict.config import (
 from vllm_kvevict.policies import POLICIES
 
 _installed = False
-_from_command_line = False
+# Set on EngineArgs built from the command line, where a mistake ends the
+# process with one line instead of raising.
+_CLI_MARK = "_kvevict_from_command_line"
 
 
-def _fail(message: str) -> None:
-    if _from_command_line:
+def _fail(message: str, from_command_line: bool = False) -> None:
+    if from_command_line:
         print(f"vllm-kvevict: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     raise KVEvictionConfigError(message)
@@ -74,22 +76,24 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
 
 def _reject_incompatible_args(engine_args: Any) -> None:
     """Checks that need only the engine arguments, before the model is read."""
+    cli = getattr(engine_args, _CLI_MARK, False)
     if engine_args.enable_prefix_caching:
         _fail(
             "--kv-eviction cannot be combined with prefix caching (evicted blocks "
-            "cannot be shared); drop --enable-prefix-caching"
+            "cannot be shared); drop --enable-prefix-caching",
+            cli,
         )
     if engine_args.speculative_config:
-        _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config")
+        _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config", cli)
     if engine_args.kv_transfer_config:
-        _fail("--kv-eviction cannot be combined with a KV connector; drop --kv-transfer-config")
+        _fail("--kv-eviction cannot be combined with a KV connector; drop --kv-transfer-config", cli)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size", "pipeline_parallel_size"):
         if (getattr(engine_args, name, 1) or 1) > 1:
             flag = "--" + name.replace("_", "-")
-            _fail(f"--kv-eviction does not support {flag} > 1 yet; set {flag} 1")
+            _fail(f"--kv-eviction does not support {flag} > 1 yet; set {flag} 1", cli)
 
 
-def _reject_incompatible_model(vllm_config: Any) -> None:
+def _reject_incompatible_model(vllm_config: Any, cli: bool = False) -> None:
     """Checks that need the resolved model and platform."""
     from vllm.platforms import current_platform
 
@@ -97,21 +101,24 @@ def _reject_incompatible_model(vllm_config: Any) -> None:
     if not current_platform.is_cpu():
         _fail(
             "this release of vllm-kvevict serves on vLLM's CPU platform only (the GPU "
-            "attention backend comes with its Triton kernels); run on a CPU build of vLLM"
+            "attention backend comes with its Triton kernels); run on a CPU build of vLLM",
+            cli,
         )
     if getattr(model_config, "use_mla", False):
-        _fail("--kv-eviction does not support MLA models yet; serve this model without it")
+        _fail("--kv-eviction does not support MLA models yet; serve this model without it", cli)
     if model_config.get_sliding_window() is not None or getattr(
         model_config.hf_text_config, "layer_types", None
     ) and any("sliding" in str(t) for t in model_config.hf_text_config.layer_types):
         _fail(
             "--kv-eviction does not support sliding-window models yet; serve this "
-            "model without it"
+            "model without it",
+            cli,
         )
     if model_config.is_hybrid or getattr(model_config, "is_encoder_decoder", False):
         _fail(
             "--kv-eviction supports decoder-only attention models; serve this model "
-            "without it"
+            "without it",
+            cli,
         )
 
 
@@ -128,17 +135,16 @@ def _install() -> None:
         return parser
 
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
-        global _from_command_line
         engine_args = original_from(cls, args)
         policy = getattr(args, "kv_eviction", None)
         source = getattr(args, "kv_eviction_config", None)
         if policy is None and source is None:
             return engine_args
-        _from_command_line = True
+        setattr(engine_args, _CLI_MARK, True)
         try:
             config = config_from_cli(policy, source)
         except KVEvictionConfigError as exc:
-            _fail(str(exc))
+            _fail(str(exc), from_command_line=True)
         assert config is not None
         engine_args.additional_config = {
             **(engine_args.additional_config or {}),
@@ -147,10 +153,11 @@ def _install() -> None:
         return engine_args
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cli = getattr(self, _CLI_MARK, False)
         try:
             config: EvictionConfig | None = config_from_additional(self.additional_config)
         except KVEvictionConfigError as exc:
-            _fail(str(exc))
+            _fail(str(exc), cli)
         if config is None:
             return original_create(self, *args, **kwargs)
         _reject_incompatible_args(self)
@@ -160,7 +167,7 @@ def _install() -> None:
             ADDITIONAL_CONFIG_KEY: config.to_additional_config(),
         }
         vllm_config = original_create(self, *args, **kwargs)
-        _reject_incompatible_model(vllm_config)
+        _reject_incompatible_model(vllm_config, cli)
         return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)

@@ -100,6 +100,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
             budget=config.budget,
             interval=config.decode_interval,
             max_step_tokens=vllm_config.max_in_flight_tokens,
+            prefill_mode=config.prefill_mode,
         )
 
 

@@ -39,6 +39,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
     evict_budget: int
     evict_interval: int
     evict_max_step_tokens: int
+    evict_prefill_mode: str = "per_chunk"
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -47,13 +48,15 @@ class EvictingAttentionSpec(FullAttentionSpec):
         return False
 
     def schedule(self) -> EvictionSchedule:
-        return EvictionSchedule(self.evict_budget, self.evict_interval, self.block_size)
+        return EvictionSchedule(
+            self.evict_budget, self.evict_interval, self.block_size,
+            self.evict_prefill_mode,  # type: ignore[arg-type]
+        )
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
-        return min(
-            cdiv(max_model_len, self.block_size),
-            self.schedule().max_blocks_per_request(self.evict_max_step_tokens),
-        )
+        full = cdiv(max_model_len, self.block_size)
+        bound = self.schedule().max_blocks_per_request(self.evict_max_step_tokens)
+        return full if bound is None else min(full, bound)
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
         # What one request can hold at once, so vLLM's start-up check admits a
@@ -65,10 +68,13 @@ class EvictingAttentionSpec(FullAttentionSpec):
     def merge(cls, specs: list[EvictingAttentionSpec]) -> EvictingAttentionSpec:  # type: ignore[override]
         # FullAttentionSpec.merge rebuilds the base class from its own fields
         # and would silently drop ours (and with them, eviction).
-        extra = {(s.evict_budget, s.evict_interval, s.evict_max_step_tokens) for s in specs}
+        extra = {
+            (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode)
+            for s in specs
+        }
         if len(extra) != 1:
             raise ValueError(f"layers of one KV cache group disagree on eviction: {extra}")
-        budget, interval, step_tokens = extra.pop()
+        budget, interval, step_tokens, prefill_mode = extra.pop()
         base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
         values = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -76,11 +82,17 @@ class EvictingAttentionSpec(FullAttentionSpec):
             evict_budget=budget,
             evict_interval=interval,
             evict_max_step_tokens=step_tokens,
+            evict_prefill_mode=prefill_mode,
         )
 
     @classmethod
     def from_full_attention(
-        cls, spec: FullAttentionSpec, budget: int, interval: int, max_step_tokens: int
+        cls,
+        spec: FullAttentionSpec,
+        budget: int,
+        interval: int,
+        max_step_tokens: int,
+        prefill_mode: str,
     ) -> EvictingAttentionSpec:
         values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -88,6 +100,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
             evict_budget=budget,
             evict_interval=interval,
             evict_max_step_tokens=max_step_tokens,
+            evict_prefill_mode=prefill_mode,
         )
 
 
@@ -116,7 +129,8 @@ class EvictionManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs: Any) -> None:
         self.schedule = kv_cache_spec.schedule()
         # vLLM passes an admission cap only to sliding-window-like specs; a
-        # request of ours never holds more than this, so admit it on that basis.
+        # request of ours never holds more than this, so admit it on that basis
+        # (None in end_of_prompt mode: the whole prompt is held once).
         kwargs["max_admission_blocks_per_request"] = self.schedule.max_blocks_per_request(
             kv_cache_spec.evict_max_step_tokens
         )
@@ -125,6 +139,7 @@ class EvictionManager(FullAttentionManager):
         self._stats_path = os.environ.get(STATS_PATH_ENV)
         self._last_write = 0.0
         self._lock = threading.Lock()
+        self._write_snapshot(force=True)
 
     def remove_skipped_blocks(
         self,
@@ -147,7 +162,7 @@ class EvictionManager(FullAttentionManager):
             self._remove_blocks_in_range(request_id, 0, last)
             self.stats.blocks_freed_by_eviction += freed
             self.stats.eviction_frees += 1
-            self._account(request_id)
+            self._account(request_id, force=True)
 
     def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
         is_new = request_id not in self.req_to_blocks

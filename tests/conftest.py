@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import VllmServer
+
+# One page (block) of SmolLM2-135M in fp32: K and V, 30 layers, 3 KV heads,
+# 32 tokens, head_dim 64.
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
+SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from vllm_kvevict.default_model import fetch_default_model
+
+    return str(fetch_default_model())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """`vllm serve --kv-eviction snapkv` with budget 512, shared by the e2e tests."""
+    work = tmp_path_factory.mktemp("snapkv_server")
+    server = VllmServer(
+        model_dir,
+        [
+            "--kv-eviction", "snapkv",
+            "--kv-eviction-config", json.dumps({"budget": 512, "policy_options": {"kernel_size": 15}}),
+            "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+            "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(SERVER_POOL_BLOCKS * SMOLLM2_BLOCK_BYTES + 4096),
+        ],
+        stats_path=work / "stats.json",
+        log_path=work / "server.log",
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        if os.environ.get("KVEVICT_SHOW_SERVER_LOG"):
+            print(Path(server.log_path).read_text())

@@ -1,0 +1,324 @@
+"""EvictionConfig and the ways it is read: inline JSON, .json/.yaml files,
+``--kv-eviction`` overrides, ``additional_config``; every mistake is one line
+that names the fix."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_kvevict.config import (
+    ADDITIONAL_CONFIG_KEY,
+    EvictionConfig,
+    KVEvictionConfigError,
+    build_config,
+    config_from_additional,
+    config_from_cli,
+    help_text,
+    parse_config_source,
+)
+
+FIELDS = [
+    "policy",
+    "budget",
+    "sink_tokens",
+    "recent_window",
+    "observation_window",
+    "decode_interval",
+    "prefill_mode",
+    "policy_options",
+    "cpu_attention",
+]
+POLICY_NAMES = ["snapkv", "streamingllm"]
+
+SETTINGS = {
+    "policy": "snapkv",
+    "budget": 300,
+    "sink_tokens": 2,
+    "recent_window": 16,
+    "observation_window": 8,
+    "decode_interval": 5,
+    "prefill_mode": "per_chunk",
+    "policy_options": {"kernel_size": 5, "pooling": "avg"},
+    "cpu_attention": "torch",
+}
+YAML_TEXT = """\
+policy: snapkv
+budget: 300
+sink_tokens: 2
+recent_window: 16
+observation_window: 8
+decode_interval: 5
+prefill_mode: per_chunk
+policy_options:
+  kernel_size: 5
+  pooling: avg
+cpu_attention: torch
+"""
+
+
+def _one_line_error(fn, *args):
+    with pytest.raises(KVEvictionConfigError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert message and "\n" not in message, repr(message)
+    return message
+
+
+def test_inline_json_and_files_agree(tmp_path):
+    """Inline JSON, a .json file and a .yaml/.yml file give the same config, with the
+    values written (not defaults)."""
+    json_path = tmp_path / "evict.json"
+    json_path.write_text(json.dumps(SETTINGS, indent=2))
+    yaml_path = tmp_path / "evict.yaml"
+    yaml_path.write_text(YAML_TEXT)
+    yml_path = tmp_path / "evict.yml"
+    yml_path.write_text(YAML_TEXT)
+    configs = [
+        config_from_cli(None, json.dumps(SETTINGS)),
+        config_from_cli(None, "  " + json.dumps(SETTINGS) + "\n"),
+        config_from_cli(None, str(json_path)),
+        config_from_cli(None, str(yaml_path)),
+        config_from_cli(None, str(yml_path)),
+    ]
+    for config in configs:
+        assert config == configs[0]
+        assert config.model_dump() == SETTINGS
+    assert parse_config_source(str(yaml_path)) == SETTINGS
+
+
+def test_defaults_and_no_flags():
+    """Without flags eviction is off; with only a policy the documented defaults apply."""
+    assert config_from_cli(None, None) is None
+    config = config_from_cli("streamingllm", None)
+    assert config.model_dump() == {
+        "policy": "streamingllm",
+        "budget": 512,
+        "sink_tokens": 4,
+        "recent_window": 32,
+        "observation_window": 32,
+        "decode_interval": 32,
+        "prefill_mode": "per_chunk",
+        "policy_options": {},
+        "cpu_attention": "native",
+    }
+
+
+def test_prefill_mode_defaults_per_policy():
+    """prefill_mode defaults to the policy's choice; an explicit value wins."""
+    assert config_from_cli("snapkv", None).prefill_mode == "end_of_prompt"
+    assert config_from_cli("streamingllm", None).prefill_mode == "per_chunk"
+    assert config_from_cli("snapkv", '{"prefill_mode": null}').prefill_mode == "end_of_prompt"
+    assert config_from_cli("snapkv", '{"prefill_mode": "per_chunk"}').prefill_mode == "per_chunk"
+    assert (
+        config_from_cli("streamingllm", '{"prefill_mode": "end_of_prompt"}').prefill_mode
+        == "end_of_prompt"
+    )
+    # the default follows the policy the flag chose, not the file's
+    assert config_from_cli("streamingllm", '{"policy": "snapkv"}').prefill_mode == "per_chunk"
+    message = _one_line_error(config_from_cli, "snapkv", '{"prefill_mode": "lazy"}')
+    assert "prefill_mode" in message and "per_chunk" in message and "end_of_prompt" in message
+    # the resolved mode survives the trip through additional_config
+    config = config_from_cli("snapkv", None)
+    again = config_from_additional({ADDITIONAL_CONFIG_KEY: config.to_additional_config()})
+    assert again == config and again.prefill_mode == "end_of_prompt"
+
+
+def test_schedule_from_config():
+    config = config_from_cli("snapkv", '{"budget": 100, "decode_interval": 9}')
+    schedule = config.schedule(32)
+    assert (schedule.budget, schedule.interval, schedule.block_size, schedule.prefill_mode) == (
+        100, 9, 32, "end_of_prompt"
+    )
+
+
+def test_non_string_policy_is_a_config_error():
+    _one_line_error(build_config, {"policy": ["snapkv"]})
+
+
+def test_flag_policy_overrides_file(tmp_path):
+    """--kv-eviction wins over the file's policy; the other settings come from the file."""
+    path = tmp_path / "evict.yaml"
+    path.write_text("policy: snapkv\nbudget: 256\ndecode_interval: 7\n")
+    config = config_from_cli("streamingllm", str(path))
+    assert config.policy == "streamingllm"
+    assert config.budget == 256 and config.decode_interval == 7
+    inline = config_from_cli("snapkv", '{"policy": "streamingllm", "budget": 99}')
+    assert inline.policy == "snapkv" and inline.budget == 99
+
+
+def test_additional_config_round_trip(tmp_path):
+    """config_from_additional accepts the dict form, a config object and a source string."""
+    assert config_from_additional(None) is None
+    assert config_from_additional({}) is None
+    assert config_from_additional({"other": 1}) is None
+    config = build_config(SETTINGS)
+    dumped = config.to_additional_config()
+    assert json.loads(json.dumps(dumped)) == SETTINGS  # plain, picklable data
+    assert config_from_additional({ADDITIONAL_CONFIG_KEY: dumped}) == config
+    assert config_from_additional({ADDITIONAL_CONFIG_KEY: config}) is config
+    assert config_from_additional({ADDITIONAL_CONFIG_KEY: json.dumps(SETTINGS)}) == config
+    path = tmp_path / "c.yaml"
+    path.write_text(YAML_TEXT)
+    assert config_from_additional({ADDITIONAL_CONFIG_KEY: str(path)}) == config
+
+
+def test_config_is_frozen():
+    config = build_config(SETTINGS)
+    with pytest.raises(Exception):
+        config.budget = 1
+
+
+def test_unknown_policy_lists_choices():
+    for call in [
+        lambda: config_from_cli("bogus", None),
+        lambda: config_from_cli(None, '{"policy": "bogus"}'),
+        lambda: config_from_additional({ADDITIONAL_CONFIG_KEY: {"policy": "bogus"}}),
+    ]:
+        message = _one_line_error(call)
+        assert "bogus" in message
+        for name in POLICY_NAMES:
+            assert name in message
+
+
+def test_malformed_inline_json():
+    message = _one_line_error(config_from_cli, "snapkv", '{"budget": 12,')
+    assert "JSON" in message and "pass a JSON object" in message
+
+
+def test_malformed_json_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"budget": }')
+    message = _one_line_error(config_from_cli, "snapkv", str(path))
+    assert str(path) in message and "fix the file's syntax" in message
+
+
+def test_malformed_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("policy: snapkv\nbudget: [1, 2\n  sink_tokens: : 3\n")
+    message = _one_line_error(config_from_cli, None, str(path))
+    assert str(path) in message and "fix the file's syntax" in message
+
+
+def test_nonexistent_path(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = _one_line_error(config_from_cli, "snapkv", str(missing))
+    assert str(missing) in message
+    assert "existing file" in message and "JSON object" in message
+
+
+def test_non_mapping_sources(tmp_path):
+    """A list or scalar instead of a mapping is refused, inline, in files, in additional_config."""
+    # Inline "[1]" is not recognised as inline JSON (only '{' is); it still gets
+    # a one-line error that tells the user to pass a JSON object.
+    message = _one_line_error(config_from_cli, "snapkv", "[1]")
+    assert "JSON object" in message
+    for name, text in [("list.json", "[1, 2]"), ("scalar.yaml", "42\n"), ("list.yaml", "- a\n- b\n")]:
+        path = tmp_path / name
+        path.write_text(text)
+        message = _one_line_error(config_from_cli, "snapkv", str(path))
+        assert "mapping" in message
+    message = _one_line_error(config_from_additional, {ADDITIONAL_CONFIG_KEY: [1]})
+    assert "mapping" in message
+
+
+@pytest.mark.parametrize(
+    "budget,sink,recent", [(10, 4, 32), (35, 3, 33), (1, 1, 1), (63, 0, 64)]
+)
+def test_budget_below_protected_tokens(budget, sink, recent):
+    """budget < sink_tokens + recent_window is refused; the message has both numbers."""
+    source = json.dumps({"budget": budget, "sink_tokens": sink, "recent_window": recent})
+    message = _one_line_error(config_from_cli, "streamingllm", source)
+    assert str(budget) in message and str(sink + recent) in message
+    # the boundary itself is fine
+    ok = json.dumps({"budget": sink + recent, "sink_tokens": sink, "recent_window": recent})
+    assert config_from_cli("streamingllm", ok).budget == sink + recent
+
+
+def test_unknown_key_is_named():
+    message = _one_line_error(config_from_cli, "snapkv", '{"budgett": 100}')
+    assert "budgett" in message
+
+
+def test_unknown_key_message_names_the_fix():
+    message = _one_line_error(config_from_cli, "snapkv", '{"budgett": 100}')
+    assert all(name in message for name in FIELDS), message
+
+
+def test_unknown_policy_option():
+    message = _one_line_error(
+        config_from_cli, "snapkv", '{"policy_options": {"bogus": 1}}'
+    )
+    assert "bogus" in message and "kernel_size" in message and "pooling" in message
+    message = _one_line_error(
+        config_from_cli, "streamingllm", '{"policy_options": {"kernel_size": 7}}'
+    )
+    assert "kernel_size" in message and "none" in message
+
+
+def test_invalid_policy_option_values():
+    for options in ['{"kernel_size": 4}', '{"kernel_size": 0}', '{"pooling": "min"}']:
+        message = _one_line_error(
+            config_from_cli, "snapkv", '{"policy_options": %s}' % options
+        )
+        assert "snapkv" in message
+
+
+def test_config_without_policy():
+    message = _one_line_error(config_from_cli, None, '{"budget": 256}')
+    assert "--kv-eviction" in message
+    for name in POLICY_NAMES:
+        assert name in message
+    message = _one_line_error(
+        config_from_additional, {ADDITIONAL_CONFIG_KEY: {"budget": 256}}
+    )
+    assert "policy" in message
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"budget": 0},
+        {"sink_tokens": -1},
+        {"observation_window": 0},
+        {"decode_interval": 0},
+        {"cpu_attention": "cuda"},
+        {"budget": "many"},
+    ],
+)
+def test_field_constraints(settings):
+    message = _one_line_error(config_from_cli, "snapkv", json.dumps(settings))
+    assert next(iter(settings)) in message
+
+
+def test_help_text_mentions_every_field():
+    text = help_text()
+    assert set(EvictionConfig.model_fields) == set(FIELDS)
+    for name in FIELDS:
+        assert name in text
+    assert "budget (512)" in text and "policy (required)" in text
+    for name in POLICY_NAMES:
+        assert name in text
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+YAML_FILES = sorted(CONFIG_DIR.glob("*.yaml")) + sorted(CONFIG_DIR.glob("*.yml")) if CONFIG_DIR.is_dir() else []
+
+
+@pytest.mark.skipif(not YAML_FILES, reason="no configs/*.yaml in this checkout")
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    """Every shipped example config is valid; a policy-named file holds that policy."""
+    data = parse_config_source(str(path))
+    if "policy" in data:
+        config = build_config(data)
+        if path.stem in POLICY_NAMES:
+            assert config.policy == path.stem
+        configs = [config]
+    else:  # a policy-neutral file: valid with every policy given by the flag
+        configs = [config_from_cli(name, str(path)) for name in POLICY_NAMES]
+    for config in configs:
+        assert config.budget >= config.sink_tokens + config.recent_window
+        for key, value in data.items():
+            if key != "policy":
+                assert getattr(config, key) == value

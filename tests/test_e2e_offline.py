@@ -1,0 +1,104 @@
+"""End to end through the offline ``LLM(..., additional_config={"kv_eviction": ...})``.
+
+StreamingLLM evicting after every prefill chunk, with a KV pool of 64 blocks
+(2,048 tokens): smaller than one ~2.9k-token prompt, which must be served anyway.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import needle_prompt
+
+pytestmark = pytest.mark.e2e
+
+POOL_BLOCKS = 64
+BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def streaming_llm(model_dir, tmp_path_factory):
+    from vllm import LLM
+
+    stats_path = tmp_path_factory.mktemp("offline") / "stats.json"
+    os.environ["KVEVICT_STATS_PATH"] = str(stats_path)  # inherited by the engine process
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=4096,
+        block_size=32,
+        max_num_batched_tokens=512,
+        max_num_seqs=4,
+        enforce_eager=True,
+        kv_cache_memory_bytes=POOL_BLOCKS * BLOCK_BYTES + 4096,
+        additional_config={"kv_eviction": {"policy": "streamingllm", "budget": 512}},
+    )
+    yield llm, stats_path
+    del os.environ["KVEVICT_STATS_PATH"]
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _stats(stats_path) -> dict:
+    import json
+
+    return json.loads(stats_path.read_text())
+
+
+def test_prompt_longer_than_kv_pool_is_served(streaming_llm, tokenizer):
+    from vllm import SamplingParams
+
+    llm, stats_path = streaming_llm
+    prompt = needle_prompt(tokenizer, 71432)
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    num_tokens = len(out[0].prompt_token_ids) + 16
+    stats = _stats(stats_path)
+    assert num_tokens > stats["num_blocks"] * 32  # the full context does not fit
+    assert len(out[0].outputs[0].token_ids) == 16
+    assert stats["blocks_freed_by_eviction"] >= (num_tokens - 512 - 2 * 512) // 32
+    assert stats["blocks_held"] == 0
+    assert stats["free_blocks"] == stats["num_blocks"] - 1
+
+
+def test_snapkv_finds_needle_streamingllm_does_not(streaming_llm, snapkv_server, tokenizer):
+    """At a 512-token budget, SnapKV (served) retrieves a mid-prompt needle in
+    ~2.9k tokens; StreamingLLM (sinks + recent tokens) cannot have kept it."""
+    from openai import OpenAI
+    from vllm import SamplingParams
+
+    llm, _ = streaming_llm
+    keys = [71432, 28415, 90357]
+    prompts = [needle_prompt(tokenizer, k, depth=d) for k, d in zip(keys, (0.4, 0.5, 0.6))]
+    streaming = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    api = OpenAI(base_url=snapkv_server.url + "/v1", api_key="unused", timeout=600)
+    snapkv = [
+        api.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
+        .choices[0].text
+        for p in prompts
+    ]
+    assert all(str(k) in t for k, t in zip(keys, snapkv)), snapkv
+    assert not any(str(k) in o.outputs[0].text for k, o in zip(keys, streaming))
+
+
+def test_greedy_output_equals_reference_decoder_per_chunk(streaming_llm, model_dir, tokenizer):
+    """Evicting after each of four 512-token prefill chunks and every 32 decode
+    steps, vLLM's greedy tokens equal the transformers reference's."""
+    from vllm import SamplingParams
+
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.reference import ReferenceEvictingDecoder
+
+    llm, _ = streaming_llm
+    prompt_ids = tokenizer(needle_prompt(tokenizer, 12345, target_tokens=2000)).input_ids
+    out = llm.generate(
+        [{"prompt_token_ids": prompt_ids}],
+        SamplingParams(max_tokens=72, temperature=0, ignore_eos=True),
+    )
+    served = list(out[0].outputs[0].token_ids)
+    reference = ReferenceEvictingDecoder(
+        model_dir, build_config({"policy": "streamingllm", "budget": 512}),
+        block_size=32, chunk_size=512,
+    ).generate(prompt_ids, 72)
+    assert served[:32] == reference[:32]
+    assert served == reference
