@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import VllmServer
+from helpers import SNAPKV_SERVER_CONFIG, VllmServer
 
 # One page (block) of SmolLM2-135M in fp32: K and V, 30 layers, 3 KV heads,
 # 32 tokens, head_dim 64.
@@ -36,7 +36,7 @@ def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         model_dir,
         [
             "--kv-eviction", "snapkv",
-            "--kv-eviction-config", json.dumps({"budget": 512, "policy_options": {"kernel_size": 15}}),
+            "--kv-eviction-config", json.dumps(SNAPKV_SERVER_CONFIG),
             "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
             "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
             "--kv-cache-memory-bytes", str(SERVER_POOL_BLOCKS * SMOLLM2_BLOCK_BYTES + 4096),

@@ -20,6 +20,10 @@ INTRO = (
 )
 QUESTION = "What is the pass key? The pass key is"
 
+# The shared test server's eviction settings (see configs/snapkv.yaml for why
+# kernel 15 on the default model).
+SNAPKV_SERVER_CONFIG = {"policy": "snapkv", "budget": 512, "policy_options": {"kernel_size": 15}}
+
 
 def needle_prompt(tokenizer, key: int, target_tokens: int = 3000, depth: float = 0.5) -> str:
     """A passkey-retrieval prompt of about ``target_tokens`` with the key at ``depth``."""

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from helpers import needle_prompt
+from helpers import SNAPKV_SERVER_CONFIG, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -117,7 +117,7 @@ def test_greedy_output_equals_reference_decoder(snapkv_server, model_dir, tokeni
     )
     served = list(reply.choices[0].token_ids)
     reference = ReferenceEvictingDecoder(
-        model_dir, build_config({"policy": "snapkv", "budget": 512}), block_size=32, chunk_size=512
+        model_dir, build_config(SNAPKV_SERVER_CONFIG), block_size=32, chunk_size=512
     ).generate(prompt_ids, 72)
     assert served[:32] == reference[:32]
     assert served == reference

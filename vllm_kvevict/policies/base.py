@@ -85,8 +85,11 @@ class EvictionPolicy(ABC):
         positions = inputs.key_positions
         protected = (positions < num_sink) | (positions >= point - num_recent)
         scores = scores.masked_fill(protected, float("inf"))
-        kept = torch.topk(scores, num_keep, dim=-1, sorted=False).indices
-        return kept.sort(dim=-1).values
+        # A stable sort breaks ties (common after SnapKV's max pooling) by slot
+        # order, so every implementation keeps the same tokens; topk's
+        # tie-breaking is unspecified.
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        return order[:, :num_keep].sort(dim=-1).values
 
 
 def grouped_attention_probs(inputs: ScoringInputs) -> torch.Tensor:

@@ -1,0 +1,285 @@
+"""An independent, unpaged decoder that applies KV eviction outside vLLM.
+
+It is the oracle the vLLM plugin's greedy output is compared against, token
+for token. It shares exactly two things with the plugin: the policy code
+(:meth:`EvictionPolicy.select`) and the schedule (:class:`EvictionSchedule`).
+Everything else -- storage, attention, query history -- is written here from
+scratch on plain per-layer tensors so that a bug in the plugin's paged storage
+or kernels cannot hide in the oracle too.
+
+Mechanism: the transformers model is loaded with a custom attention function
+(registered in ``AttentionInterface``). transformers still runs the
+projections and RoPE with the explicit ``position_ids`` we pass; with
+``use_cache=False`` the function receives only the current step's post-RoPE
+queries/keys/values, appends them to our own store keyed by
+``module.layer_idx``, attends over everything stored, and then evicts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.schedule import EvictionSchedule
+
+
+@dataclass
+class _LayerStore:
+    """The retained tokens of one layer, for one request.
+
+    All KV heads hold the same number of tokens ``S`` (the policy keeps
+    ``num_keep`` per head), so plain ``[H, S, ...]`` tensors suffice.
+    """
+
+    keys: torch.Tensor | None = None  # [H, S, D] post-RoPE
+    values: torch.Tensor | None = None  # [H, S, D]
+    positions: torch.Tensor | None = None  # [H, S] int64, sorted per head
+    query_history: torch.Tensor | None = None  # [Hq, t, D] post-RoPE
+    query_positions: torch.Tensor | None = None  # [t] int64, sorted
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step being run: positions ``[n_before, n_after)`` of the sequence."""
+
+    n_before: int
+    n_after: int
+    prompt_len: int
+    positions: torch.Tensor  # [T] int64
+
+
+def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+    return new if old is None else torch.cat([old, new], dim=dim)
+
+
+class ReferenceEvictingDecoder:
+    """Greedy decoding with chunked prefill and per-(layer, KV head) eviction.
+
+    ``config=None`` disables eviction (full cache), which validates the custom
+    attention path against stock transformers.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EvictionConfig | None,
+        block_size: int = 32,
+        chunk_size: int = 512,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        from transformers import AttentionInterface, AutoModelForCausalLM
+
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        # The config builds the schedule (budget, interval, prefill mode), so
+        # the oracle cannot drift from what the plugin's two processes use.
+        self.schedule: EvictionSchedule | None = (
+            config.schedule(block_size) if config is not None else None
+        )
+        self.policy: EvictionPolicy | None = config.build_policy() if config is not None else None
+
+        # One registered name per instance: the function is a bound method, so
+        # several decoders (e.g. different configs in one test session) never
+        # share a store.
+        self._attn_name = f"kvevict_reference_{uuid.uuid4().hex}"
+        AttentionInterface.register(self._attn_name, self._attention)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, attn_implementation=self._attn_name
+        )
+        self.model.eval()
+        self.num_layers: int = self.model.config.num_hidden_layers
+
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = gen_eos if gen_eos is not None else self.model.config.eos_token_id
+        self.eos_token_ids: set[int] = (
+            set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+        )
+
+        self._layers: list[_LayerStore] = []
+        self._step: _Step | None = None
+        self.retained_positions: list[torch.Tensor] = []
+        self.processed_tokens: int = 0
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False
+    ) -> list[int]:
+        """Greedy token ids (``torch.argmax``: the lowest id wins a tie)."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        # A fresh store per request makes the decoder reusable across prompts.
+        self._layers = [_LayerStore() for _ in range(self.num_layers)]
+        self.retained_positions = []
+        self.processed_tokens = 0
+        if max_new_tokens <= 0:
+            return []
+
+        prompt_len = len(prompt_ids)
+        n = 0
+        logits: torch.Tensor | None = None
+        while n < prompt_len:  # chunked prefill
+            n_after = min(n + self.chunk_size, prompt_len)
+            logits = self._run_step(prompt_ids[n:n_after], n, n_after, prompt_len)
+            n = n_after
+        assert logits is not None
+        out = [int(torch.argmax(logits))]
+        # The last sampled token is never fed back, as in a serving engine.
+        while len(out) < max_new_tokens:
+            if stop_at_eos and out[-1] in self.eos_token_ids:
+                break
+            logits = self._run_step([out[-1]], n, n + 1, prompt_len)
+            n += 1
+            out.append(int(torch.argmax(logits)))
+
+        self.processed_tokens = n
+        self.retained_positions = [
+            store.positions.clone() for store in self._layers if store.positions is not None
+        ]
+        return out
+
+    def _run_step(
+        self, token_ids: list[int], n_before: int, n_after: int, prompt_len: int
+    ) -> torch.Tensor:
+        """Run positions ``[n_before, n_after)``; return the last position's logits."""
+        device = self.model.device
+        positions = torch.arange(n_before, n_after, dtype=torch.long, device=device)
+        self._step = _Step(n_before, n_after, prompt_len, positions)
+        try:
+            output = self.model(
+                input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=1,
+            )
+        finally:
+            self._step = None
+        return output.logits[0, -1].float()
+
+    # --------------------------------------------------------------- attention
+
+    def _attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Append this step's K/V, attend over the store, then evict.
+
+        query ``[1, Hq, T, D]``, key/value ``[1, H, T, D]`` (post-RoPE, only
+        this step's tokens because the model runs with ``use_cache=False``).
+        Returns ``[1, T, Hq, D]`` as transformers expects.
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError("the reference attention only runs inside generate()")
+        if query.shape[0] != 1:
+            raise ValueError("the reference decoder runs one request (batch size 1)")
+        scale = float(module.scaling if scaling is None else scaling)
+        store = self._layers[module.layer_idx]
+
+        q = query[0]  # [Hq, T, D]
+        num_kv_heads = key.shape[1]
+        step_pos = step.positions
+        store.keys = _cat(store.keys, key[0], dim=1)
+        store.values = _cat(store.values, value[0], dim=1)
+        store.positions = _cat(
+            store.positions, step_pos[None].expand(num_kv_heads, -1), dim=1
+        )
+        store.query_history = _cat(store.query_history, q, dim=1)
+        store.query_positions = _cat(store.query_positions, step_pos, dim=0)
+
+        out = self._attend(q, store, step_pos, scale)
+
+        if self.config is not None:
+            self._evict(store, step, scale)
+            # Future eviction points are > n_after, so they only look at
+            # queries at positions >= n_after - observation_window.
+            keep_q = store.query_positions >= step.n_after - self.config.observation_window
+            store.query_history = store.query_history[:, keep_q]
+            store.query_positions = store.query_positions[keep_q]
+        else:
+            store.query_history = None  # no policy reads them
+            store.query_positions = None
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor, store: _LayerStore, q_pos: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Causal-by-position GQA attention in fp32, ``[Hq, T, D]``."""
+        assert store.keys is not None and store.values is not None and store.positions is not None
+        num_q_heads = q.shape[0]
+        num_kv_heads = store.keys.shape[0]
+        group = num_q_heads // num_kv_heads
+        # Query head j reads KV head j // group.
+        k = store.keys.float().repeat_interleave(group, dim=0)  # [Hq, S, D]
+        v = store.values.float().repeat_interleave(group, dim=0)
+        kpos = store.positions.repeat_interleave(group, dim=0)  # [Hq, S]
+        logits = torch.matmul(q.float(), k.transpose(1, 2)) * scale  # [Hq, T, S]
+        future = kpos[:, None, :] > q_pos[None, :, None]
+        logits = logits.masked_fill(future, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.matmul(probs, v)
+
+    # ---------------------------------------------------------------- eviction
+
+    def _evict(self, store: _LayerStore, step: _Step, scale: float) -> None:
+        assert self.config is not None and self.schedule is not None and self.policy is not None
+        assert store.keys is not None and store.values is not None and store.positions is not None
+        assert store.query_history is not None and store.query_positions is not None
+        point = self.schedule.eviction_point_in_step(step.n_before, step.n_after, step.prompt_len)
+        if point is None:
+            return
+        frontier = self.schedule.frontier_at_point(point)
+        num_keep = point - frontier
+
+        # Positions are sorted per head (appended in order, and kept indices
+        # are sorted), and every head holds the same tokens >= point (this
+        # step's), so the candidates are the same-length prefix of each head.
+        cand_mask = store.positions < point
+        num_cand = int(cand_mask[0].sum())
+        if not bool(cand_mask[:, :num_cand].all()) or bool(cand_mask[:, num_cand:].any()):
+            raise AssertionError("stored positions are not sorted per head")
+        if num_keep >= num_cand:
+            return
+
+        window = self.config.observation_window
+        obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
+        needs_q = self.policy.needs_queries
+        inputs = ScoringInputs(
+            keys=store.keys[:, :num_cand],
+            values=store.values[:, :num_cand],
+            key_positions=store.positions[:, :num_cand],
+            queries=store.query_history[:, obs] if needs_q else None,
+            query_positions=store.query_positions[obs] if needs_q else None,
+            scale=scale,
+        )
+        kept = self.policy.select(
+            inputs, num_keep, self.config.sink_tokens, self.config.recent_window, point
+        )  # [H, num_keep], sorted
+        if kept.shape != (store.keys.shape[0], num_keep):
+            raise AssertionError(f"policy returned {tuple(kept.shape)}, expected {num_keep} per head")
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            idx = kept if t.dim() == 2 else kept[..., None].expand(-1, -1, t.shape[-1])
+            return torch.cat([torch.gather(t[:, :num_cand], 1, idx), t[:, num_cand:]], dim=1)
+
+        store.keys = keep(store.keys)
+        store.values = keep(store.values)
+        store.positions = keep(store.positions)
