@@ -76,14 +76,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
             raise ValueError(f"layers of one KV cache group disagree on eviction: {extra}")
         budget, interval, step_tokens, prefill_mode = extra.pop()
         base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
-        values = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec) if f.init}
-        return cls(
-            **values,
-            evict_budget=budget,
-            evict_interval=interval,
-            evict_max_step_tokens=step_tokens,
-            evict_prefill_mode=prefill_mode,
-        )
+        return cls.from_full_attention(base, budget, interval, step_tokens, prefill_mode)
 
     @classmethod
     def from_full_attention(

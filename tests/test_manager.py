@@ -1,0 +1,93 @@
+"""Scheduler side, in process: EvictingAttentionSpec and EvictionManager on a
+real vLLM BlockPool, checked against the schedule's arithmetic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
+
+from vllm_kvevict.schedule import cdiv  # noqa: E402
+from vllm_kvevict.vllm_glue.spec import (  # noqa: E402
+    EvictingAttentionSpec,
+    EvictionManager,
+    register_spec,
+)
+
+
+def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, interval: int = 8,
+              step: int = 64) -> EvictingAttentionSpec:
+    return EvictingAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
+        evict_budget=budget, evict_interval=interval, evict_max_step_tokens=step,
+        evict_prefill_mode=prefill_mode,
+    )
+
+
+def make_manager(spec: EvictingAttentionSpec, num_blocks: int = 400) -> EvictionManager:
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=16)
+    return EvictionManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0,
+        scheduler_block_size=16,
+    )
+
+
+def test_registry_resolves_our_manager_and_merge_keeps_fields():
+    register_spec()
+    spec = make_spec("end_of_prompt")
+    assert KVCacheSpecRegistry.get_manager_class(spec) is EvictionManager
+    merged = EvictingAttentionSpec.merge([spec, spec])
+    assert merged == spec and merged.evict_prefill_mode == "end_of_prompt"
+    assert not spec.prefix_cacheable
+    with pytest.raises(ValueError, match="disagree"):
+        EvictingAttentionSpec.merge([spec, make_spec(budget=200)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
+    """Drive the manager like vLLM's allocate_slots does (free on the processed
+    basis, then allocate the next step) and compare with the schedule."""
+    rng = random.Random(seed)
+    spec = make_spec()
+    schedule = spec.schedule()
+    manager = make_manager(spec)
+    pool = manager.block_pool
+    prompt_len, decode_steps = rng.randint(150, 700), rng.randint(10, 60)
+    n, req = 0, "r"
+    while n < prompt_len + decode_steps:
+        step = min(rng.randint(1, 64), prompt_len - n) if n < prompt_len else 1
+        manager.remove_skipped_blocks(req, n, prompt_len)
+        last_processed = n
+        manager.allocate_new_blocks(req, n + step, n + step)
+        blocks = manager.req_to_blocks[req]
+        frontier_blocks = schedule.frontier(n, prompt_len) // 16
+        assert all(b.is_null for b in blocks[:frontier_blocks])
+        assert not any(b.is_null for b in blocks[frontier_blocks:])
+        held = len(blocks) - frontier_blocks
+        assert held == cdiv(n + step, 16) - frontier_blocks
+        assert held <= manager.max_admission_blocks_per_request
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - held
+        n += step
+    assert manager.stats.blocks_freed_by_eviction == schedule.frontier(last_processed, prompt_len) // 16
+    assert manager.stats.blocks_freed_by_eviction > 0
+    manager.free(req)
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert manager.stats.blocks_held == 0
+
+
+def test_admission_cap_and_pool_sizing():
+    spec = make_spec(budget=100, interval=8, step=64)
+    manager = make_manager(spec)
+    expected = cdiv(100 + 8 + 64 + 16 - 2, 16)
+    assert manager.max_admission_blocks_per_request == expected
+    assert spec.max_blocks_per_request(max_model_len=8192) == expected
+    assert spec.max_blocks_per_request(max_model_len=64) == 4
+    # end_of_prompt holds the whole prompt: no cap below the full length.
+    assert make_manager(make_spec("end_of_prompt")).max_admission_blocks_per_request is None
+    assert make_spec("end_of_prompt").max_blocks_per_request(max_model_len=8192) == 512
