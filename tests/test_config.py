@@ -26,6 +26,7 @@ FIELDS = [
     "observation_window",
     "decode_interval",
     "prefill_mode",
+    "end_of_prompt_max_tokens",
     "policy_options",
     "cpu_attention",
 ]
@@ -38,7 +39,8 @@ SETTINGS = {
     "recent_window": 16,
     "observation_window": 8,
     "decode_interval": 5,
-    "prefill_mode": "per_chunk",
+    "prefill_mode": "hybrid",
+    "end_of_prompt_max_tokens": 2048,
     "policy_options": {"kernel_size": 5, "pooling": "avg"},
     "cpu_attention": "torch",
 }
@@ -49,7 +51,8 @@ sink_tokens: 2
 recent_window: 16
 observation_window: 8
 decode_interval: 5
-prefill_mode: per_chunk
+prefill_mode: hybrid
+end_of_prompt_max_tokens: 2048
 policy_options:
   kernel_size: 5
   pooling: avg
@@ -99,6 +102,7 @@ def test_defaults_and_no_flags():
         "observation_window": 32,
         "decode_interval": 32,
         "prefill_mode": "per_chunk",
+        "end_of_prompt_max_tokens": 4096,
         "policy_options": {},
         "cpu_attention": "native",
     }

@@ -102,3 +102,41 @@ def test_greedy_output_equals_reference_decoder_per_chunk(streaming_llm, model_d
     ).generate(prompt_ids, 72)
     assert served[:32] == reference[:32]
     assert served == reference
+
+
+def test_prefill_modes_hold_different_memory_and_evict_where_promised(
+    streaming_llm, snapkv_server, tokenizer
+):
+    """Same prompt, 512-token chunks, budget 512: per_chunk (offline engine)
+    frees blocks at every chunk end once past the budget and never holds more
+    than its admission cap; end_of_prompt (server) frees nothing before the
+    prompt is complete, having held all of it."""
+    from openai import OpenAI
+    from vllm import SamplingParams
+
+    llm, stats_path = streaming_llm
+    prompt = needle_prompt(tokenizer, 24680, target_tokens=2900)
+    prompt_len = len(tokenizer(prompt).input_ids)
+    prompt_blocks = -(-prompt_len // 32)
+    chunk_ends = list(range(512, prompt_len, 512)) + [prompt_len]
+
+    llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    stats = _stats(stats_path)
+    per_chunk = stats["recent_requests"][-1]
+    assert per_chunk["prompt_len"] == prompt_len
+    prefill_frees = [n for n in per_chunk["free_points"] if n <= prompt_len]
+    assert prefill_frees == [n for n in chunk_ends if n >= 1024]
+    assert per_chunk["free_points"][len(prefill_frees):] == [prompt_len + 32]
+    assert per_chunk["peak_blocks"] <= stats["max_admission_blocks_per_request"] < prompt_blocks
+
+    api = OpenAI(base_url=snapkv_server.url + "/v1", api_key="unused", timeout=600)
+    api.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=40, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    end_of_prompt = [
+        r for r in snapkv_server.stats()["recent_requests"] if r["prompt_len"] == prompt_len
+    ][-1]
+    assert end_of_prompt["free_points"] == [prompt_len, prompt_len + 32]
+    assert end_of_prompt["peak_blocks"] >= prompt_blocks
+    assert per_chunk["peak_blocks"] < end_of_prompt["peak_blocks"] / 2

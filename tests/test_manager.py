@@ -60,16 +60,21 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
     pool = manager.block_pool
     prompt_len, decode_steps = rng.randint(150, 700), rng.randint(10, 60)
     n, req = 0, "r"
+    expected_free_points, freed_blocks, peak = [], 0, 0
     while n < prompt_len + decode_steps:
         step = min(rng.randint(1, 64), prompt_len - n) if n < prompt_len else 1
         manager.remove_skipped_blocks(req, n, prompt_len)
         last_processed = n
+        if n and schedule.frontier(n, prompt_len) // 16 > freed_blocks:
+            freed_blocks = schedule.frontier(n, prompt_len) // 16
+            expected_free_points.append(n)
         manager.allocate_new_blocks(req, n + step, n + step)
         blocks = manager.req_to_blocks[req]
         frontier_blocks = schedule.frontier(n, prompt_len) // 16
         assert all(b.is_null for b in blocks[:frontier_blocks])
         assert not any(b.is_null for b in blocks[frontier_blocks:])
         held = len(blocks) - frontier_blocks
+        peak = max(peak, held)
         assert held == cdiv(n + step, 16) - frontier_blocks
         assert held <= manager.max_admission_blocks_per_request
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - held
@@ -79,6 +84,10 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
     manager.free(req)
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     assert manager.stats.blocks_held == 0
+    trace = manager.stats.as_dict()["recent_requests"][-1]
+    assert trace["request_id"] == req and trace["prompt_len"] == prompt_len
+    assert trace["free_points"] == expected_free_points[: manager.stats.MAX_FREE_POINTS]
+    assert trace["peak_blocks"] == peak
 
 
 def test_admission_cap_and_pool_sizing():

@@ -46,13 +46,18 @@ class EvictionConfig(BaseModel):
     decode_interval: int = Field(
         32, ge=1, description="decode steps between two evictions (N)"
     )
-    prefill_mode: Literal["per_chunk", "end_of_prompt"] = Field(
+    prefill_mode: Literal["per_chunk", "end_of_prompt", "hybrid"] = Field(
         None,  # type: ignore[assignment]  # resolved per policy below
         description="default per policy (snapkv: end_of_prompt, streamingllm: "
         "per_chunk); per_chunk: evict after every prefill chunk (memory bounded by "
         "budget + chunk, so prompts longer than the KV pool are served); end_of_prompt: "
         "hold the whole prompt during prefill and evict once at its end, so query-based "
-        "policies score with the question (the full prompt must fit in memory)",
+        "policies score with the question (the full prompt must fit in memory: "
+        "admission reserves it); hybrid: end_of_prompt for prompts up to "
+        "end_of_prompt_max_tokens, per_chunk for longer ones",
+    )
+    end_of_prompt_max_tokens: int = Field(
+        4096, ge=0, description="hybrid prefill_mode: longest prompt evicted once at its end"
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="options of the chosen policy, e.g. snapkv kernel_size"
@@ -90,7 +95,10 @@ class EvictionConfig(BaseModel):
         return self
 
     def schedule(self, block_size: int) -> EvictionSchedule:
-        return EvictionSchedule(self.budget, self.decode_interval, block_size, self.prefill_mode)
+        return EvictionSchedule(
+            self.budget, self.decode_interval, block_size, self.prefill_mode,
+            self.end_of_prompt_max_tokens,
+        )
 
     def build_policy(self) -> EvictionPolicy:
         return make_policy(self.policy, self.policy_options)

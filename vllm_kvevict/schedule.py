@@ -18,6 +18,8 @@ Eviction points
       up to the prompt length (a scheduler step always ends a chunk, so the
       last eviction point at or below ``n`` is ``n`` itself);
     * ``end_of_prompt`` prefill: only the prompt length;
+    * ``hybrid`` prefill: ``end_of_prompt`` up to a prompt length, beyond it
+      ``per_chunk``;
     * decode: ``prompt_len + k * interval`` for ``k >= 1`` (every ``interval``
       decode steps).
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PrefillMode = Literal["per_chunk", "end_of_prompt"]
+PrefillMode = Literal["per_chunk", "end_of_prompt", "hybrid"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -53,15 +55,24 @@ class EvictionSchedule:
     prefill_mode: PrefillMode = "per_chunk"
     """``per_chunk``: evict after every prefill chunk (memory bounded by budget
     + chunk); ``end_of_prompt``: keep the whole prompt until its last chunk,
-    then evict once, so query-based policies score with the question."""
+    then evict once, so query-based policies score with the question;
+    ``hybrid``: ``end_of_prompt`` for prompts of at most
+    ``end_of_prompt_max_tokens``, ``per_chunk`` for longer ones."""
+    end_of_prompt_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.interval < 1 or self.block_size < 1:
             raise ValueError(f"invalid eviction schedule {self}")
 
+    def holds_whole_prompt(self, prompt_len: int) -> bool:
+        """Whether this prompt is evicted once, at its end."""
+        if self.prefill_mode == "hybrid":
+            return prompt_len <= self.end_of_prompt_max_tokens
+        return self.prefill_mode == "end_of_prompt"
+
     def last_eviction_point(self, n: int, prompt_len: int) -> int:
         """The last eviction point at or below ``n`` processed tokens."""
-        if n < prompt_len and self.prefill_mode == "end_of_prompt":
+        if n < prompt_len and self.holds_whole_prompt(prompt_len):
             return 0
         if n <= prompt_len:
             return n
@@ -95,6 +106,8 @@ class EvictionSchedule:
         """Most blocks a request holds at once, for admission and pool sizing.
 
         None in ``end_of_prompt`` mode: the whole prompt is held during prefill.
+        In ``hybrid`` mode a held prompt has at most ``end_of_prompt_max_tokens``
+        tokens, all of them allocated before its single eviction.
 
         When a step over ``(n, n + c]`` is allocated, the request holds slots
         ``[F(n), n + c)``. ``n - P_e(n) <= interval - 1`` and
@@ -105,7 +118,10 @@ class EvictionSchedule:
         if self.prefill_mode == "end_of_prompt":
             return None
         span = self.budget + self.interval + max_step_tokens + self.block_size - 2
-        return cdiv(span, self.block_size)
+        bound = cdiv(span, self.block_size)
+        if self.prefill_mode == "hybrid":
+            bound = max(bound, cdiv(self.end_of_prompt_max_tokens, self.block_size))
+        return bound
 
     def retained_capacity(self) -> int:
         """Largest number of compacted tokens a head can hold (side buffers)."""

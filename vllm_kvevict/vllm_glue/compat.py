@@ -58,7 +58,8 @@ def _require(owner: Any, name: str, parameters: tuple[str, ...]) -> None:
 def check_core_contract() -> None:
     """Symbols used by every process: registry, spec, manager, CLI."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends import registry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import (
         FullAttentionManager,
@@ -73,7 +74,7 @@ def check_core_contract() -> None:
     for member in ("CPU_ATTN", "CUSTOM"):
         if member not in AttentionBackendEnum.__members__:
             raise VLLMContractError(f"vLLM changed: AttentionBackendEnum.{member} is gone")
-    _require(register_backend, "__call__", ())
+    _require(registry, "register_backend", ("backend", "class_path"))
     _require(KVCacheSpecRegistry, "register", ("kvcache_spec_cls", "manager_class", "uniform_type_base_spec"))
     _require(KVCacheSpecRegistry, "_ensure_registered", ())
     _require(KVCacheSpecRegistry, "get_manager_class", ("kvcache_spec",))
@@ -88,11 +89,23 @@ def check_core_contract() -> None:
 
 
 def check_cpu_backend_contract() -> None:
+    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import (
         CPUAttentionBackend,
         CPUAttentionBackendImpl,
+        CPUAttentionMetadata,
         CPUAttentionMetadataBuilder,
     )
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    _require(ops, "cpu_attn_reshape_and_cache", ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"))
+    for cls, names in (
+        (CommonAttentionMetadata, ("query_start_loc_cpu", "seq_lens", "block_table_tensor", "num_reqs", "max_seq_len")),
+        (CPUAttentionMetadata, ("seq_lens", "block_table", "scheduler_metadata")),
+    ):
+        missing = [n for n in names if n not in getattr(cls, "__dataclass_fields__", {})]
+        if missing:
+            raise VLLMContractError(f"vLLM changed: {cls.__qualname__} lost {', '.join(missing)}")
 
     _require(CPUAttentionBackend, "customize_spec", ("spec",))
     _require(CPUAttentionMetadataBuilder, "build", ("self", "common_prefix_len", "common_attn_metadata"))

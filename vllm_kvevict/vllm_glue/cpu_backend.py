@@ -49,7 +49,11 @@ from vllm_kvevict.vllm_glue.runner_hooks import (
     on_requests_finished,
 )
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
+from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
 from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+
+# Everything below subclasses or calls these; fail at import, not mid-request.
+check_cpu_backend_contract()
 
 
 # The worker's VllmConfig, remembered when the attention layers are built:
@@ -101,6 +105,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
             interval=config.decode_interval,
             max_step_tokens=vllm_config.max_in_flight_tokens,
             prefill_mode=config.prefill_mode,
+            end_of_prompt_max_tokens=config.end_of_prompt_max_tokens,
         )
 
 

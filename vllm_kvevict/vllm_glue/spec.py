@@ -40,6 +40,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
     evict_interval: int
     evict_max_step_tokens: int
     evict_prefill_mode: str = "per_chunk"
+    evict_end_of_prompt_max_tokens: int = 0
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -51,6 +52,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         return EvictionSchedule(
             self.evict_budget, self.evict_interval, self.block_size,
             self.evict_prefill_mode,  # type: ignore[arg-type]
+            self.evict_end_of_prompt_max_tokens,
         )
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
@@ -69,14 +71,14 @@ class EvictingAttentionSpec(FullAttentionSpec):
         # FullAttentionSpec.merge rebuilds the base class from its own fields
         # and would silently drop ours (and with them, eviction).
         extra = {
-            (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode)
+            (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode,
+             s.evict_end_of_prompt_max_tokens)
             for s in specs
         }
         if len(extra) != 1:
             raise ValueError(f"layers of one KV cache group disagree on eviction: {extra}")
-        budget, interval, step_tokens, prefill_mode = extra.pop()
         base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
-        return cls.from_full_attention(base, budget, interval, step_tokens, prefill_mode)
+        return cls.from_full_attention(base, *extra.pop())
 
     @classmethod
     def from_full_attention(
@@ -86,6 +88,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         interval: int,
         max_step_tokens: int,
         prefill_mode: str,
+        end_of_prompt_max_tokens: int = 0,
     ) -> EvictingAttentionSpec:
         values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -94,7 +97,17 @@ class EvictingAttentionSpec(FullAttentionSpec):
             evict_interval=interval,
             evict_max_step_tokens=max_step_tokens,
             evict_prefill_mode=prefill_mode,
+            evict_end_of_prompt_max_tokens=end_of_prompt_max_tokens,
         )
+
+
+@dataclass
+class RequestTrace:
+    """What one request held and where its blocks were freed."""
+
+    prompt_len: int = 0
+    peak_blocks: int = 0
+    free_points: list[int] = field(default_factory=list)  # processed tokens at each free
 
 
 @dataclass
@@ -107,13 +120,25 @@ class ManagerStats:
     blocks_held: int = 0
     peak_blocks_held: int = 0
     live_requests: int = 0
-    per_request_peak_blocks: dict[str, int] = field(default_factory=dict)
+    live: dict[str, RequestTrace] = field(default_factory=dict)
+    finished: list[dict[str, Any]] = field(default_factory=list)
+
+    MAX_FINISHED = 16
+    MAX_FREE_POINTS = 64
 
     def as_dict(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        data["max_request_peak_blocks"] = max(self.per_request_peak_blocks.values(), default=0)
-        del data["per_request_peak_blocks"]
+        data = {k: v for k, v in self.__dict__.items() if k not in ("live", "finished")}
+        data["max_request_peak_blocks"] = max(
+            (trace.peak_blocks for trace in self.live.values()), default=0
+        )
+        data["recent_requests"] = list(self.finished)
         return data
+
+    def finish(self, request_id: str) -> None:
+        trace = self.live.pop(request_id, None)
+        if trace is not None:
+            self.finished.append({"request_id": request_id, **trace.__dict__})
+            del self.finished[: -self.MAX_FINISHED]
 
 
 class EvictionManager(FullAttentionManager):
@@ -148,6 +173,7 @@ class EvictionManager(FullAttentionManager):
         if request_id not in self.req_to_blocks:
             return
         frontier = self.schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        self.stats.live.setdefault(request_id, RequestTrace()).prompt_len = num_prompt_tokens
         blocks = self.req_to_blocks[request_id]
         last = min(frontier // self.block_size, len(blocks))
         freed = sum(1 for block in blocks[:last] if not block.is_null)
@@ -155,6 +181,9 @@ class EvictionManager(FullAttentionManager):
             self._remove_blocks_in_range(request_id, 0, last)
             self.stats.blocks_freed_by_eviction += freed
             self.stats.eviction_frees += 1
+            points = self.stats.live[request_id].free_points
+            if len(points) < ManagerStats.MAX_FREE_POINTS:
+                points.append(processed_computed_tokens)
             self._account(request_id, force=True)
 
     def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -168,15 +197,15 @@ class EvictionManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
-        self.stats.per_request_peak_blocks.pop(request_id, None)
+        self.stats.finish(request_id)
         self._account(None, force=True)
 
     def _account(self, request_id: str | None, force: bool = False) -> None:
         stats = self.stats
         if request_id is not None:
             held = sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
-            peaks = stats.per_request_peak_blocks
-            peaks[request_id] = max(peaks.get(request_id, 0), held)
+            trace = stats.live.setdefault(request_id, RequestTrace())
+            trace.peak_blocks = max(trace.peak_blocks, held)
         # One pool, one evicting group: every used block is held by a request
         # (block 0 is vLLM's null block and never free).
         pool = self.block_pool

@@ -1,0 +1,78 @@
+"""A real `vllm serve` process on loopback, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    candidate = Path(sys.executable).with_name("vllm")
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+class VllmServer:
+    """A real `vllm serve` process on loopback, with the plugin loaded by vLLM."""
+
+    def __init__(self, model: str, args: list[str], stats_path: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stats_path = stats_path
+        self.log_path = log_path
+        env = dict(os.environ, KVEVICT_STATS_PATH=str(stats_path), PYTHONSAFEPATH="1")
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [vllm_executable(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+             "--served-model-name", "smollm2", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stats(self) -> dict:
+        return json.loads(self.stats_path.read_text())
+
+    def metric(self, name: str) -> float:
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
