@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from helpers import needle_prompt  # noqa: E402
+from vllm_kvevict.evaluation.tasks import needle_prompt
 
 SETTINGS: dict[str, dict | None] = {
     "full": None,

@@ -81,9 +81,3 @@ class WorkerEvictionState:
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.free_rows.append(row)
-
-    def side_buffer_bytes(self) -> int:
-        return (
-            self.positions.numel() * self.positions.element_size()
-            + self.query_ring.numel() * self.query_ring.element_size()
-        )
