@@ -85,6 +85,11 @@ def _reject_incompatible_args(engine_args: Any) -> None:
         )
     if engine_args.speculative_config:
         _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config", cli)
+    if getattr(engine_args, "kv_cache_dtype", "auto") not in ("auto", None):
+        _fail(
+            "--kv-eviction does not support a quantized KV cache yet; drop --kv-cache-dtype",
+            cli,
+        )
     if engine_args.kv_transfer_config:
         _fail("--kv-eviction cannot be combined with a KV connector; drop --kv-transfer-config", cli)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size", "pipeline_parallel_size"):
