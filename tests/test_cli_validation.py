@@ -148,10 +148,8 @@ def test_non_cpu_platform_rejected(monkeypatch):
 
 def test_fail_exits_on_command_line(monkeypatch, capsys):
     """From the command line a mistake is one line on stderr and exit code 2."""
-    args = _clean_args(pipeline_parallel_size=2)
-    setattr(args, cli._CLI_MARK, True)
-    with pytest.raises(SystemExit) as info:
-        cli._reject_incompatible_args(args)
+    with pytest.raises(SystemExit) as info, cli._exit_on_command_line(True):
+        cli._reject_incompatible_args(_clean_args(pipeline_parallel_size=2))
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("vllm-kvevict: error:") and "\n" not in err

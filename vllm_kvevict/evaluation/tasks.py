@@ -17,6 +17,7 @@ INTRO = (
 )
 QUESTION = "What is the pass key? The pass key is"
 
+
 def needle_prompt(tokenizer, key: int, target_tokens: int = 3000, depth: float = 0.5) -> str:
     """A passkey-retrieval prompt of about ``target_tokens`` with the key at ``depth``."""
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
@@ -24,8 +25,6 @@ def needle_prompt(tokenizer, key: int, target_tokens: int = 3000, depth: float =
     repeats = (target_tokens - 60) // filler_tokens
     before = int(repeats * depth)
     return INTRO + FILLER * before + needle + FILLER * (repeats - before) + QUESTION
-
-
 
 
 @dataclass(frozen=True)

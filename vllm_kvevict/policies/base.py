@@ -52,9 +52,9 @@ class EvictionPolicy(ABC):
     needs_queries: ClassVar[bool] = False
     default_prefill_mode: ClassVar[str] = "per_chunk"
     """Query-based scorers default to ``end_of_prompt`` so that the question at
-    the end of the prompt chooses what stays (measured: SnapKV found 0/5
-    needles at budget 512 in ~2.9k-token prompts evicting per chunk, 5/5 at the
-    end of the prompt; see README)."""
+    the end of the prompt chooses what stays (measured: SnapKV found 0/6
+    needles in ~3.8k-token prompts at 50% budget evicting per chunk, 6/6 at the
+    end of the prompt; benchmarks/README.md)."""
 
     @abstractmethod
     def score(self, inputs: ScoringInputs) -> torch.Tensor:

@@ -18,7 +18,9 @@ fix (like argparse's own errors); in Python it raises ``KVEvictionConfigError``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_kvevict.config import (
@@ -37,11 +39,20 @@ _installed = False
 _CLI_MARK = "_kvevict_from_command_line"
 
 
-def _fail(message: str, from_command_line: bool = False) -> None:
-    if from_command_line:
-        print(f"vllm-kvevict: error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+def _fail(message: str) -> None:
     raise KVEvictionConfigError(message)
+
+
+@contextlib.contextmanager
+def _exit_on_command_line(from_command_line: bool) -> Iterator[None]:
+    """On the command line, turn a config error into one line and exit code 2."""
+    try:
+        yield
+    except KVEvictionConfigError as exc:
+        if not from_command_line:
+            raise
+        print(f"vllm-kvevict: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def add_eviction_args(parser: argparse.ArgumentParser) -> None:
@@ -76,29 +87,26 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
 
 def _reject_incompatible_args(engine_args: Any) -> None:
     """Checks that need only the engine arguments, before the model is read."""
-    cli = getattr(engine_args, _CLI_MARK, False)
     if engine_args.enable_prefix_caching:
         _fail(
             "--kv-eviction cannot be combined with prefix caching (evicted blocks "
             "cannot be shared); drop --enable-prefix-caching",
-            cli,
         )
     if engine_args.speculative_config:
-        _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config", cli)
+        _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config")
     if getattr(engine_args, "kv_cache_dtype", "auto") not in ("auto", None):
         _fail(
             "--kv-eviction does not support a quantized KV cache yet; drop --kv-cache-dtype",
-            cli,
         )
     if engine_args.kv_transfer_config:
-        _fail("--kv-eviction cannot be combined with a KV connector; drop --kv-transfer-config", cli)
+        _fail("--kv-eviction cannot be combined with a KV connector; drop --kv-transfer-config")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size", "pipeline_parallel_size"):
         if (getattr(engine_args, name, 1) or 1) > 1:
             flag = "--" + name.replace("_", "-")
-            _fail(f"--kv-eviction does not support {flag} > 1 yet; set {flag} 1", cli)
+            _fail(f"--kv-eviction does not support {flag} > 1 yet; set {flag} 1")
 
 
-def _reject_incompatible_model(vllm_config: Any, cli: bool = False) -> None:
+def _reject_incompatible_model(vllm_config: Any) -> None:
     """Checks that need the resolved model and platform."""
     from vllm.platforms import current_platform
 
@@ -107,23 +115,20 @@ def _reject_incompatible_model(vllm_config: Any, cli: bool = False) -> None:
         _fail(
             "this release of vllm-kvevict serves on vLLM's CPU platform only (the GPU "
             "attention backend comes with its Triton kernels); run on a CPU build of vLLM",
-            cli,
         )
     if getattr(model_config, "use_mla", False):
-        _fail("--kv-eviction does not support MLA models yet; serve this model without it", cli)
+        _fail("--kv-eviction does not support MLA models yet; serve this model without it")
     if model_config.get_sliding_window() is not None or getattr(
         model_config.hf_text_config, "layer_types", None
     ) and any("sliding" in str(t) for t in model_config.hf_text_config.layer_types):
         _fail(
             "--kv-eviction does not support sliding-window models yet; serve this "
             "model without it",
-            cli,
         )
     if model_config.is_hybrid or getattr(model_config, "is_encoder_decoder", False):
         _fail(
             "--kv-eviction supports decoder-only attention models; serve this model "
             "without it",
-            cli,
         )
 
 
@@ -146,10 +151,8 @@ def _install() -> None:
         if policy is None and source is None:
             return engine_args
         setattr(engine_args, _CLI_MARK, True)
-        try:
+        with _exit_on_command_line(True):
             config = config_from_cli(policy, source)
-        except KVEvictionConfigError as exc:
-            _fail(str(exc), from_command_line=True)
         assert config is not None
         engine_args.additional_config = {
             **(engine_args.additional_config or {}),
@@ -158,22 +161,19 @@ def _install() -> None:
         return engine_args
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cli = getattr(self, _CLI_MARK, False)
-        try:
+        with _exit_on_command_line(getattr(self, _CLI_MARK, False)):
             config: EvictionConfig | None = config_from_additional(self.additional_config)
-        except KVEvictionConfigError as exc:
-            _fail(str(exc), cli)
-        if config is None:
-            return original_create(self, *args, **kwargs)
-        _reject_incompatible_args(self)
-        self.enable_prefix_caching = False
-        self.additional_config = {
-            **self.additional_config,
-            ADDITIONAL_CONFIG_KEY: config.to_additional_config(),
-        }
-        vllm_config = original_create(self, *args, **kwargs)
-        _reject_incompatible_model(vllm_config, cli)
-        return vllm_config
+            if config is None:
+                return original_create(self, *args, **kwargs)
+            _reject_incompatible_args(self)
+            self.enable_prefix_caching = False
+            self.additional_config = {
+                **self.additional_config,
+                ADDITIONAL_CONFIG_KEY: config.to_additional_config(),
+            }
+            vllm_config = original_create(self, *args, **kwargs)
+            _reject_incompatible_model(vllm_config)
+            return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
@@ -39,9 +40,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
 from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
-from vllm import _custom_ops as ops
-
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
+from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 from vllm_kvevict.vllm_glue.runner_hooks import (
     current_batch,
@@ -49,7 +49,6 @@ from vllm_kvevict.vllm_glue.runner_hooks import (
     on_requests_finished,
 )
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
-from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
 from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
