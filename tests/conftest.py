@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 
 from helpers import SNAPKV_SERVER_CONFIG, VllmServer
+from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
 
-# One page (block) of SmolLM2-135M in fp32: K and V, 30 layers, 3 KV heads,
-# 32 tokens, head_dim 64.
-SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
+# Every engine this session starts (servers and offline LLMs inherit the
+# environment) runs in the isolation debug mode: blocks returned to vLLM's pool
+# are filled with NaN and attention outputs are checked for it.
+os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
+
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
 
 
@@ -39,7 +42,7 @@ def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
             "--kv-eviction-config", json.dumps(SNAPKV_SERVER_CONFIG),
             "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
             "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(SERVER_POOL_BLOCKS * SMOLLM2_BLOCK_BYTES + 4096),
+            "--kv-cache-memory-bytes", str(SERVER_POOL_BLOCKS * DEFAULT_MODEL_BLOCK_BYTES + 4096),
         ],
         stats_path=work / "stats.json",
         log_path=work / "server.log",

@@ -26,8 +26,10 @@ FIELDS = [
     "observation_window",
     "decode_interval",
     "prefill_mode",
+    "prefill_interval",
     "end_of_prompt_max_tokens",
     "policy_options",
+    "poison_freed_blocks",
     "cpu_attention",
 ]
 POLICY_NAMES = ["snapkv", "streamingllm"]
@@ -40,8 +42,10 @@ SETTINGS = {
     "observation_window": 8,
     "decode_interval": 5,
     "prefill_mode": "hybrid",
+    "prefill_interval": 256,
     "end_of_prompt_max_tokens": 2048,
     "policy_options": {"kernel_size": 5, "pooling": "avg"},
+    "poison_freed_blocks": True,
     "cpu_attention": "torch",
 }
 YAML_TEXT = """\
@@ -52,10 +56,12 @@ recent_window: 16
 observation_window: 8
 decode_interval: 5
 prefill_mode: hybrid
+prefill_interval: 256
 end_of_prompt_max_tokens: 2048
 policy_options:
   kernel_size: 5
   pooling: avg
+poison_freed_blocks: true
 cpu_attention: torch
 """
 
@@ -102,8 +108,10 @@ def test_defaults_and_no_flags():
         "observation_window": 32,
         "decode_interval": 32,
         "prefill_mode": "per_chunk",
+        "prefill_interval": None,
         "end_of_prompt_max_tokens": 4096,
         "policy_options": {},
+        "poison_freed_blocks": False,
         "cpu_attention": "native",
     }
 
@@ -130,10 +138,11 @@ def test_prefill_mode_defaults_per_policy():
 
 def test_schedule_from_config():
     config = config_from_cli("snapkv", '{"budget": 100, "decode_interval": 9}')
-    schedule = config.schedule(32)
-    assert (schedule.budget, schedule.interval, schedule.block_size, schedule.prefill_mode) == (
-        100, 9, 32, "end_of_prompt"
-    )
+    schedule = config.schedule(32, 512)
+    assert (schedule.budget, schedule.interval, schedule.block_size, schedule.prefill_mode,
+            schedule.prefill_interval) == (100, 9, 32, "end_of_prompt", 512)
+    config = config_from_cli("snapkv", '{"prefill_interval": 96}')
+    assert config.schedule(32, 512).prefill_interval == 96
 
 
 def test_non_string_policy_is_a_config_error():

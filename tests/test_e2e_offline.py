@@ -11,11 +11,11 @@ import os
 import pytest
 
 from helpers import needle_prompt
+from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
 
 pytestmark = pytest.mark.e2e
 
 POOL_BLOCKS = 64
-BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def streaming_llm(model_dir, tmp_path_factory):
         max_num_batched_tokens=512,
         max_num_seqs=4,
         enforce_eager=True,
-        kv_cache_memory_bytes=POOL_BLOCKS * BLOCK_BYTES + 4096,
+        kv_cache_memory_bytes=POOL_BLOCKS * DEFAULT_MODEL_BLOCK_BYTES + 4096,
         additional_config={"kv_eviction": {"policy": "streamingllm", "budget": 512}},
     )
     yield llm, stats_path

@@ -27,6 +27,8 @@ def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, interval: int 
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
         evict_budget=budget, evict_interval=interval, evict_max_step_tokens=step,
         evict_prefill_mode=prefill_mode,
+        # as customize_spec sets it by default: one scheduler step
+        evict_prefill_interval=step,
     )
 
 
@@ -93,10 +95,14 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
 def test_admission_cap_and_pool_sizing():
     spec = make_spec(budget=100, interval=8, step=64)
     manager = make_manager(spec)
-    expected = cdiv(100 + 8 + 64 + 16 - 2, 16)
+    # budget + max(decode interval, prefill interval) + step + block - 2
+    expected = cdiv(100 + 64 + 64 + 16 - 2, 16)
     assert manager.max_admission_blocks_per_request == expected
     assert spec.max_blocks_per_request(max_model_len=8192) == expected
     assert spec.max_blocks_per_request(max_model_len=64) == 4
+    # eviction every 300 prompt tokens: up to 299 unevicted ones on top
+    wide = EvictingAttentionSpec.from_full_attention(spec, 100, 8, 64, "per_chunk", 0, 300)
+    assert wide.max_blocks_per_request(max_model_len=8192) == cdiv(100 + 300 + 64 + 16 - 2, 16)
     # end_of_prompt holds the whole prompt: no cap below the full length.
     assert make_manager(make_spec("end_of_prompt")).max_admission_blocks_per_request is None
     assert make_spec("end_of_prompt").max_blocks_per_request(max_model_len=8192) == 512

@@ -324,7 +324,7 @@ def test_snapkv_retained_tokens_follow_schedule(
 
     prompt_len = len(prompt_ids)
     n = prompt_len + NEW_TOKENS - 1  # the last sampled token is never fed back
-    sched = config.schedule(BLOCK_SIZE)
+    sched = config.schedule(BLOCK_SIZE, CHUNK_SIZE)
     assert sched.prefill_mode == prefill_mode
     last_point = sched.last_eviction_point(n, prompt_len)
     expected_count = n - sched.frontier(n, prompt_len)

@@ -1,7 +1,7 @@
 """EvictionSchedule checked against a step-by-step simulation of one request.
 
-The simulation plays both processes: the worker applies the eviction point of
-every step (keeping ``p - frontier_at_point(p)`` tokens of those before ``p``
+The simulation plays both processes: the worker applies the eviction points of
+every step, in order (keeping ``p - frontier_at_point(p)`` tokens of those before ``p``
 in the slots ``[F, p)``, the new tokens at their true slots), and the
 scheduler allocates the blocks of the next step and frees those below
 ``frontier(n)``. Every invariant is computed from the simulated slots, not
@@ -34,14 +34,19 @@ def _random_case(rng):
         done += c
     steps = chunks + [1] * decode_steps
     mode = rng.choice(["per_chunk", "end_of_prompt", "hybrid"])
-    schedule = EvictionSchedule(budget, interval, block_size, mode, rng.randint(0, 400))
+    schedule = EvictionSchedule(
+        budget, interval, block_size, mode, rng.randint(0, 400), rng.randint(1, 120)
+    )
     return schedule, prompt_len, max_step_tokens, chunks, steps
 
 
 def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
     """Returns (prefill points, decode points) and asserts the invariants at every boundary."""
     bs = schedule.block_size
-    per_chunk = EvictionSchedule(schedule.budget, schedule.interval, bs, "per_chunk")
+    per_chunk = EvictionSchedule(
+        schedule.budget, schedule.interval, bs, "per_chunk",
+        prefill_interval=schedule.prefill_interval,
+    )
     slots = {}  # slot -> original position of the token stored there (one KV head)
     prefill_points, decode_points = [], []
     prev_frontier = 0
@@ -87,10 +92,11 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
         n_before, n_after = n, n + c
         for pos in range(n_before, n_after):
             slots[pos] = pos
-        point = schedule.eviction_point_in_step(n_before, n_after, prompt_len)
-        if point is not None:
+        points = schedule.eviction_points_in_step(n_before, n_after, prompt_len)
+        assert points == sorted(set(points))
+        for point in points:
             assert n_before < point <= n_after
-            if n_after <= prompt_len:
+            if point <= prompt_len:
                 prefill_points.append(point)
             else:
                 decode_points.append(point)
@@ -100,27 +106,31 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
             after = {slot: pos for slot, pos in slots.items() if slot >= point}
             assert 0 <= num_keep <= len(before), "asked to keep more tokens than are live"
             assert num_keep <= schedule.retained_capacity()
-            kept = sorted(rng.sample(before, num_keep))
+            # The choice depends on the point alone, as a policy's does on
+            # the tokens before it: chunking must not change the outcome.
+            kept = sorted(random.Random(point).sample(before, num_keep))
             slots = dict(after)
             for i, pos in enumerate(kept):
                 slots[new_frontier + i] = pos
         n = n_after
         check_boundary(n)
-    return prefill_points, decode_points, n
+    return prefill_points, decode_points, n, slots
 
 
 @pytest.mark.parametrize("seed", range(90))
 def test_simulated_request_invariants(seed):
     """Frontier aligned, monotone, never past a live slot; budget kept; block cap holds;
-    evictions exactly at chunk ends (per_chunk) or the prompt end (end_of_prompt)
-    and every `interval` decode steps."""
+    evictions exactly every prefill_interval prompt tokens and at the prompt end
+    (per_chunk) or only at the prompt end (end_of_prompt), and every `interval`
+    decode steps, whatever the chunking."""
     rng = random.Random(seed)
     schedule, prompt_len, max_step_tokens, chunks, steps = _random_case(rng)
-    prefill_points, decode_points, n_final = _simulate(
+    prefill_points, decode_points, n_final, slots = _simulate(
         schedule, prompt_len, max_step_tokens, steps, rng
     )
     if not schedule.holds_whole_prompt(prompt_len):
-        assert prefill_points == [sum(chunks[: i + 1]) for i in range(len(chunks))]
+        step = schedule.prefill_interval
+        assert prefill_points == list(range(step, prompt_len, step)) + [prompt_len]
     else:
         assert prefill_points == [prompt_len]
     expected = []
@@ -129,6 +139,12 @@ def test_simulated_request_invariants(seed):
         expected.append(prompt_len + k * schedule.interval)
         k += 1
     assert decode_points == expected
+
+    # The same request cut differently (one token per step, or everything in
+    # one step, as a preempted request recomputes) ends in the same state.
+    for other in ([1] * n_final, [n_final]):
+        *_, other_slots = _simulate(schedule, prompt_len, n_final, other, rng)
+        assert other_slots == slots
 
 
 def test_hand_checked_values():
@@ -140,28 +156,37 @@ def test_hand_checked_values():
     assert s.frontier(20, prompt_len=20) == 8
     # decode: points 24, 28 ... ; n = 27 -> last point 24 -> floor(14/4)*4 = 12
     assert s.frontier(27, prompt_len=20) == 12
-    assert s.eviction_point_in_step(26, 27, 20) is None
-    assert s.eviction_point_in_step(27, 28, 20) == 28
-    # recompute of a preempted request crossing several decode points: the last one
-    assert s.eviction_point_in_step(20, 33, 20) == 32
-    # span = 10 + 4 + 5 + 4 - 2 = 21 -> 6 blocks
-    assert s.max_blocks_per_request(5) == 6
+    assert s.eviction_points_in_step(26, 27, 20) == []
+    assert s.eviction_points_in_step(27, 28, 20) == [28]
+    # recompute of a preempted request crossing several decode points: all of them
+    assert s.eviction_points_in_step(20, 33, 20) == [24, 28, 32]
+    # prefill every 8 tokens, then the prompt end, then decode points
+    p = EvictionSchedule(budget=10, interval=4, block_size=4, prefill_interval=8)
+    assert p.eviction_points_in_step(0, 30, 20) == [8, 16, 20, 24, 28]
+    assert p.eviction_points_in_step(3, 16, 20) == [8, 16]
+    assert p.eviction_points_in_step(16, 17, 20) == []
+    assert p.frontier(15, prompt_len=20) == 0  # last point 8 < budget
+    assert p.frontier(17, prompt_len=20) == 4  # last point 16: floor(6/4)*4
+    # span = 10 + max(4, 512) + 5 + 4 - 2 = 529 -> 133 blocks
+    assert s.max_blocks_per_request(5) == 133
+    # span = 10 + max(4, 8) + 5 + 4 - 2 = 25 -> 7 blocks
+    assert p.max_blocks_per_request(5) == 7
 
 
 def test_end_of_prompt_hand_checked():
     """end_of_prompt: no eviction inside the prompt, then as per_chunk."""
     s = EvictionSchedule(budget=10, interval=4, block_size=4, prefill_mode="end_of_prompt")
     assert s.frontier(19, prompt_len=20) == 0
-    assert s.eviction_point_in_step(0, 19, 20) is None
-    assert s.eviction_point_in_step(19, 20, 20) == 20
-    assert s.eviction_point_in_step(0, 20, 20) == 20
+    assert s.eviction_points_in_step(0, 19, 20) == []
+    assert s.eviction_points_in_step(19, 20, 20) == [20]
+    assert s.eviction_points_in_step(0, 20, 20) == [20]
     assert s.frontier(20, prompt_len=20) == 8
     assert s.frontier(27, prompt_len=20) == 12
     assert s.max_blocks_per_request(5) is None
 
 
 def test_invalid_schedule_rejected():
-    for args in [(0, 1, 1), (1, 0, 1), (1, 1, 0)]:
+    for args in [(0, 1, 1), (1, 0, 1), (1, 1, 0), (1, 1, 1, "per_chunk", 0, 0)]:
         with pytest.raises(ValueError):
             EvictionSchedule(*args)
 

@@ -18,6 +18,7 @@ from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
 from vllm_kvevict.schedule import EvictionSchedule
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
+POISON_ENV = "KVEVICT_POISON_FREED_BLOCKS"
 
 
 class KVEvictionConfigError(ValueError):
@@ -56,11 +57,24 @@ class EvictionConfig(BaseModel):
         "admission reserves it); hybrid: end_of_prompt for prompts up to "
         "end_of_prompt_max_tokens, per_chunk for longer ones",
     )
+    prefill_interval: int | None = Field(
+        None,
+        ge=1,
+        description="per_chunk/hybrid prefill_mode: prompt tokens between two evictions "
+        "(default: the engine's --max-num-batched-tokens). Eviction points depend on the "
+        "request alone, so its output does not depend on load or preemption",
+    )
     end_of_prompt_max_tokens: int = Field(
         4096, ge=0, description="hybrid prefill_mode: longest prompt evicted once at its end"
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="options of the chosen policy, e.g. snapkv kernel_size"
+    )
+    poison_freed_blocks: bool = Field(
+        False,
+        description="debug: fill every block the plugin returns to vLLM's pool with NaN, "
+        "and count attention outputs that contain NaN (isolation check; also turned on "
+        "by the environment variable KVEVICT_POISON_FREED_BLOCKS=1)",
     )
     cpu_attention: Literal["native", "torch"] = Field(
         "native",
@@ -94,11 +108,17 @@ class EvictionConfig(BaseModel):
         make_policy(self.policy, self.policy_options)
         return self
 
-    def schedule(self, block_size: int) -> EvictionSchedule:
+    def schedule(self, block_size: int, default_prefill_interval: int) -> EvictionSchedule:
+        """The schedule; ``default_prefill_interval`` applies when none is set."""
         return EvictionSchedule(
             self.budget, self.decode_interval, block_size, self.prefill_mode,
             self.end_of_prompt_max_tokens,
+            self.prefill_interval or default_prefill_interval,
         )
+
+    @property
+    def poisons_freed_blocks(self) -> bool:
+        return self.poison_freed_blocks or os.environ.get(POISON_ENV, "") not in ("", "0")
 
     def build_policy(self) -> EvictionPolicy:
         return make_policy(self.policy, self.policy_options)

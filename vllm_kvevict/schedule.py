@@ -14,14 +14,20 @@ the prompt length, so the two processes agree without any feedback channel
 tells the scheduler what it evicted).
 
 Eviction points
-    * ``per_chunk`` prefill: the end of every prefill step, i.e. every ``n``
-      up to the prompt length (a scheduler step always ends a chunk, so the
-      last eviction point at or below ``n`` is ``n`` itself);
+    * ``per_chunk`` prefill: every ``prefill_interval`` prompt tokens (by
+      default one scheduler chunk, ``--max-num-batched-tokens``) and the end
+      of the prompt;
     * ``end_of_prompt`` prefill: only the prompt length;
     * ``hybrid`` prefill: ``end_of_prompt`` up to a prompt length, beyond it
       ``per_chunk``;
     * decode: ``prompt_len + k * interval`` for ``k >= 1`` (every ``interval``
       decode steps).
+
+    The points depend on the request alone, never on how the scheduler cut
+    its steps: a step that crosses several points (a chunk shared with other
+    requests, or a preempted request recomputing its generated tokens) applies
+    each of them in turn inside its forward pass, so a request's output does
+    not depend on the load it ran under.
 
 Storage rule
     After eviction at point ``P`` each KV head keeps the tokens in slots
@@ -59,9 +65,11 @@ class EvictionSchedule:
     ``hybrid``: ``end_of_prompt`` for prompts of at most
     ``end_of_prompt_max_tokens``, ``per_chunk`` for longer ones."""
     end_of_prompt_max_tokens: int = 0
+    prefill_interval: int = 512
+    """``per_chunk`` prefill: prompt tokens between two evictions."""
 
     def __post_init__(self) -> None:
-        if self.budget < 1 or self.interval < 1 or self.block_size < 1:
+        if min(self.budget, self.interval, self.block_size, self.prefill_interval) < 1:
             raise ValueError(f"invalid eviction schedule {self}")
 
     def holds_whole_prompt(self, prompt_len: int) -> bool:
@@ -72,10 +80,10 @@ class EvictionSchedule:
 
     def last_eviction_point(self, n: int, prompt_len: int) -> int:
         """The last eviction point at or below ``n`` processed tokens."""
-        if n < prompt_len and self.holds_whole_prompt(prompt_len):
-            return 0
-        if n <= prompt_len:
-            return n
+        if n < prompt_len:
+            if self.holds_whole_prompt(prompt_len):
+                return 0
+            return n // self.prefill_interval * self.prefill_interval
         return prompt_len + (n - prompt_len) // self.interval * self.interval
 
     def frontier_at_point(self, point: int) -> int:
@@ -90,17 +98,26 @@ class EvictionSchedule:
         """
         return self.frontier_at_point(self.last_eviction_point(n, prompt_len))
 
-    def eviction_point_in_step(
+    def eviction_points_in_step(
         self, n_before: int, n_after: int, prompt_len: int
-    ) -> int | None:
-        """The eviction point a step ``(n_before, n_after]`` must apply, if any.
+    ) -> list[int]:
+        """The eviction points in ``(n_before, n_after]``, in order.
 
-        A step may cross several decode points only when a preempted request
-        recomputes its generated tokens in one chunk; applying the last one is
-        enough because the frontier only depends on the last point.
+        Each is applied after the attention of the tokens before it and before
+        the attention of the tokens after it.
         """
-        point = self.last_eviction_point(n_after, prompt_len)
-        return point if point > n_before else None
+        points: list[int] = []
+        if n_before < prompt_len and not self.holds_whole_prompt(prompt_len):
+            step = self.prefill_interval
+            first = (n_before // step + 1) * step
+            points.extend(range(first, min(n_after, prompt_len - 1) + 1, step))
+        if n_before < prompt_len <= n_after:
+            points.append(prompt_len)
+        first_decode = max(n_before - prompt_len, 0) // self.interval + 1
+        points.extend(
+            range(prompt_len + first_decode * self.interval, n_after + 1, self.interval)
+        )
+        return points
 
     def max_blocks_per_request(self, max_step_tokens: int) -> int | None:
         """Most blocks a request holds at once, for admission and pool sizing.
@@ -110,14 +127,15 @@ class EvictionSchedule:
         tokens, all of them allocated before its single eviction.
 
         When a step over ``(n, n + c]`` is allocated, the request holds slots
-        ``[F(n), n + c)``. ``n - P_e(n) <= interval - 1`` and
-        ``P_e(n) - F(n) <= budget + block_size - 1``, so the span is at most
-        ``budget + interval + c + block_size - 2`` tokens from a block-aligned
-        start.
+        ``[F(n), n + c)``. ``n - P_e(n) <= max(interval, prefill_interval) - 1``
+        and ``P_e(n) - F(n) <= budget + block_size - 1``, so the span is at most
+        ``budget + max(interval, prefill_interval) + c + block_size - 2`` tokens
+        from a block-aligned start.
         """
         if self.prefill_mode == "end_of_prompt":
             return None
-        span = self.budget + self.interval + max_step_tokens + self.block_size - 2
+        gap = max(self.interval, self.prefill_interval)
+        span = self.budget + gap + max_step_tokens + self.block_size - 2
         bound = cdiv(span, self.block_size)
         if self.prefill_mode == "hybrid":
             bound = max(bound, cdiv(self.end_of_prompt_max_tokens, self.block_size))

@@ -55,7 +55,33 @@ class VllmServer:
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
 
     def stats(self) -> dict:
+        """The scheduler side's eviction counters (``EvictionManager``)."""
         return json.loads(self.stats_path.read_text())
+
+    def worker_stats(self, rank: int = 0) -> dict:
+        """One worker's side-buffer and isolation counters (``WorkerEvictionState``)."""
+        return json.loads(Path(f"{self.stats_path}.worker{rank}").read_text())
+
+    def wait_idle(self, timeout: float = 30, ranks: int = 1) -> tuple[dict, list[dict]]:
+        """Poll until no request holds a block or a side-buffer row; return the counters.
+
+        Raises TimeoutError with the last counters when they do not get there:
+        a leaked block or row.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            workers = [self.worker_stats(rank) for rank in range(ranks)]
+            idle = (
+                stats["live_requests"] == 0
+                and stats["free_blocks"] == stats["num_blocks"] - 1
+                and all(w["rows_in_use"] == 0 for w in workers)
+            )
+            if idle:
+                return stats, workers
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not idle after {timeout}s: {stats} {workers}")
+            time.sleep(0.2)
 
     def metric(self, name: str) -> float:
         for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():

@@ -70,11 +70,20 @@ class ReferenceEvictingDecoder:
         model_dir: str | Path,
         config: EvictionConfig | None,
         block_size: int = 32,
-        chunk_size: int = 512,
+        chunk_size: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         from transformers import AttentionInterface, AutoModelForCausalLM
 
+        # Prefill chunks end at the eviction points: the config's
+        # prefill_interval when it sets one, else chunk_size (default 512,
+        # vLLM's usual --max-num-batched-tokens on CPU).
+        interval = config.prefill_interval if config is not None else None
+        if chunk_size is not None and interval is not None and chunk_size != interval:
+            raise ValueError(
+                f"chunk_size {chunk_size} differs from the config's prefill_interval {interval}"
+            )
+        chunk_size = chunk_size or interval or 512
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.config = config
@@ -83,7 +92,7 @@ class ReferenceEvictingDecoder:
         # The config builds the schedule (budget, interval, prefill mode), so
         # the oracle cannot drift from what the plugin's two processes use.
         self.schedule: EvictionSchedule | None = (
-            config.schedule(block_size) if config is not None else None
+            config.schedule(block_size, chunk_size) if config is not None else None
         )
         self.policy: EvictionPolicy | None = config.build_policy() if config is not None else None
 
@@ -243,9 +252,15 @@ class ReferenceEvictingDecoder:
         assert self.config is not None and self.schedule is not None and self.policy is not None
         assert store.keys is not None and store.values is not None and store.positions is not None
         assert store.query_history is not None and store.query_positions is not None
-        point = self.schedule.eviction_point_in_step(step.n_before, step.n_after, step.prompt_len)
-        if point is None:
+        points = self.schedule.eviction_points_in_step(step.n_before, step.n_after, step.prompt_len)
+        if not points:
             return
+        # This oracle cuts its steps at the eviction points (prefill chunks of
+        # prefill_interval tokens, one token per decode step), so a step never
+        # needs the in-pass eviction the plugin does for longer steps.
+        if points != [step.n_after]:
+            raise AssertionError(f"step {step} crosses eviction points {points}")
+        point = points[0]
         frontier = self.schedule.frontier_at_point(point)
         num_keep = point - frontier
 

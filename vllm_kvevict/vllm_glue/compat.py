@@ -100,7 +100,7 @@ def check_cpu_backend_contract() -> None:
 
     _require(ops, "cpu_attn_reshape_and_cache", ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"))
     for cls, names in (
-        (CommonAttentionMetadata, ("query_start_loc_cpu", "seq_lens", "block_table_tensor", "num_reqs", "max_seq_len")),
+        (CommonAttentionMetadata, ("query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping")),
         (CPUAttentionMetadata, ("seq_lens", "block_table", "scheduler_metadata")),
     ):
         missing = [n for n in names if n not in getattr(cls, "__dataclass_fields__", {})]
@@ -114,5 +114,13 @@ def check_cpu_backend_contract() -> None:
 
 
 def check_runner_contract(runner_cls: type) -> None:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
+    missing = [n for n in ("finished_req_ids", "preempted_req_ids") if n not in fields]
+    if missing:
+        raise VLLMContractError(f"vLLM changed: SchedulerOutput lost {', '.join(missing)}")
     _require(runner_cls, "_build_attention_metadata", ("self", "num_tokens", "num_reqs", "num_scheduled_tokens"))
     _require(runner_cls, "_update_states", ("self", "scheduler_output"))
+    _require(runner_cls, "_sample", ("self", "logits", "spec_decode_metadata"))
+    _require(runner_cls, "_bookkeeping_sync", ("self",))

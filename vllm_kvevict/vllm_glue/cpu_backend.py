@@ -10,10 +10,17 @@ With eviction on, each request's live tokens sit in the slots
 * attention reads exactly that region: vLLM's C++ kernel through a block table
   and sequence lengths shifted by the (block-aligned) frontier, or the torch
   reference (``cpu_attention="torch"``);
-* in the forward pass that reaches an eviction point, after its attention,
-  each layer scores its live tokens with the policy, keeps the best of every
-  KV head, and compacts them into ``[new_frontier, point)``; the scheduler
-  frees the blocks below the new frontier once the step's output is in.
+* in the forward pass that reaches an eviction point, after the attention of
+  the tokens before it, each layer scores its live tokens with the policy,
+  keeps the best of every KV head, and compacts them into
+  ``[new_frontier, point)``; the scheduler frees the blocks below the new
+  frontier once the step's output is in;
+* a step whose tokens run past an eviction point (a chunk shared with other
+  requests, a preempted request recomputing its output) evicts at each point
+  in turn and recomputes the attention of the tokens after it over the
+  compacted region. Within one layer that is exact: the layer's queries, keys
+  and values depend only on the layer below, so the request's output is the
+  same as if the scheduler had cut its steps at the points.
 
 New tokens are written by vLLM's own ``do_kv_cache_update`` at their true
 slots, and RoPE positions stay true: only what attention reads changes.
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import logging
+import os
 from typing import Any
 
 import torch
@@ -48,11 +57,17 @@ from vllm_kvevict.vllm_glue.runner_hooks import (
     install_runner_hooks,
     on_requests_finished,
 )
-from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
+from vllm_kvevict.vllm_glue.spec import (
+    STATS_PATH_ENV,
+    EvictingAttentionSpec,
+    is_plain_full_attention,
+)
 from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_cpu_backend_contract()
+
+logger = logging.getLogger(__name__)
 
 
 # The worker's VllmConfig, remembered when the attention layers are built:
@@ -105,6 +120,9 @@ class KVEvictCPUBackend(CPUAttentionBackend):
             max_step_tokens=vllm_config.max_in_flight_tokens,
             prefill_mode=config.prefill_mode,
             end_of_prompt_max_tokens=config.end_of_prompt_max_tokens,
+            prefill_interval=(
+                config.prefill_interval or vllm_config.scheduler_config.max_num_batched_tokens
+            ),
         )
 
 
@@ -120,6 +138,14 @@ class RequestEviction:
     frontier_before: int
     point: int
     frontier_after: int
+    segment_end: int  # the step's tokens in [point, segment_end) attend after this eviction
+    segment_metadata: CPUAttentionMetadata | None  # their attention (native path)
+
+    @property
+    def segment_tokens(self) -> slice:
+        """Batch indices of the tokens that attend after this eviction."""
+        first = self.query_start + self.point - self.tokens_before
+        return slice(first, first + self.segment_end - self.point)
 
 
 @dataclass
@@ -136,9 +162,10 @@ class EvictionStepPlan:
     query_start: list[int]
     seq_lens: list[int]
     frontier_before: list[int]
-    evictions: list[RequestEviction]
+    evictions: list[RequestEviction]  # per request, in point order
     ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
     ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
+    unwritten_tail_slots: torch.Tensor | None  # poison mode: slots past seq_len in last blocks
 
 
 @dataclass
@@ -177,6 +204,11 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             query_dtype=vllm_config.model_config.dtype,
             device=device,
         )
+        self.state.poison_freed_blocks = config.poisons_freed_blocks
+        stats_path = os.environ.get(STATS_PATH_ENV)
+        if stats_path:
+            self.state.stats_path = f"{stats_path}.worker{_tensor_parallel_rank()}"
+            self.state.write_snapshot(force=True)
         install_runner_hooks()
         on_requests_finished(self.state.release)
 
@@ -200,6 +232,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         evictions: list[RequestEviction] = []
         ring_tokens: list[torch.Tensor] = []
         ring_slots: list[torch.Tensor] = []
+        tail_slots: list[torch.Tensor] = []
         for i, req_id in enumerate(batch.req_ids):
             prompt_len = int(batch.prompt_lens[i])
             n_after = seq_lens[i]
@@ -207,20 +240,41 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             frontier = schedule.frontier(n_before, prompt_len)
             frontier_before.append(frontier)
             row = self.state.row(req_id)
-            point = schedule.eviction_point_in_step(n_before, n_after, prompt_len)
-            if point is not None:
+            points = schedule.eviction_points_in_step(n_before, n_after, prompt_len)
+            last_point = schedule.last_eviction_point(n_before, prompt_len)
+            for k, point in enumerate(points):
+                frontier_after = schedule.frontier_at_point(point)
+                segment_end = points[k + 1] if k + 1 < len(points) else n_after
+                segment_metadata = None
+                if segment_end > point and self.config.cpu_attention == "native":
+                    segment_metadata = self._segment_metadata(
+                        cm, i, query_start[i] + point - n_before, point, segment_end,
+                        frontier_after,
+                    )
                 evictions.append(
                     RequestEviction(
                         batch_index=i,
                         state_row=row,
                         query_start=query_start[i],
                         tokens_before=n_before,
-                        last_point_before=schedule.last_eviction_point(n_before, prompt_len),
+                        last_point_before=last_point,
                         frontier_before=frontier,
                         point=point,
-                        frontier_after=schedule.frontier_at_point(point),
+                        frontier_after=frontier_after,
+                        segment_end=segment_end,
+                        segment_metadata=segment_metadata,
                     )
                 )
+                last_point, frontier = point, frontier_after
+            if self.state.poison_freed_blocks:
+                # What the request holds once this step is done; all of it
+                # goes back to the pool when the request ends or is preempted.
+                self.state.held_blocks[req_id] = cm.block_table_tensor[
+                    i, frontier // bs : cdiv(n_after, bs)
+                ].clone()
+                if n_after % bs:
+                    last_block = int(cm.block_table_tensor[i, n_after // bs])
+                    tail_slots.append(last_block * bs + torch.arange(n_after % bs, bs))
             if window:
                 first = max(n_before, n_after - window)
                 positions = torch.arange(first, n_after)
@@ -256,9 +310,47 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             evictions=evictions,
             ring_tokens=torch.cat(ring_tokens) if ring_tokens else None,
             ring_slots=torch.cat(ring_slots) if ring_slots else None,
+            unwritten_tail_slots=torch.cat(tail_slots) if tail_slots else None,
         )
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictCPUMetadata(**values, eviction=plan)
+
+    def _segment_metadata(
+        self,
+        cm: CommonAttentionMetadata,
+        batch_index: int,
+        first_token: int,
+        start: int,
+        end: int,
+        frontier: int,
+    ) -> CPUAttentionMetadata:
+        """Kernel metadata for one request's tokens ``[start, end)`` over ``[frontier, end)``."""
+        num_tokens, length = end - start, end - frontier
+        row = cm.block_table_tensor[batch_index : batch_index + 1]
+        width = row.shape[1]
+        columns = (torch.arange(width) + frontier // self.block_size).clamp_(max=width - 1)
+        query_start_loc = torch.tensor([0, num_tokens], dtype=cm.query_start_loc.dtype)
+        segment = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(cm.query_start_loc.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=torch.tensor([length], dtype=cm.seq_lens.dtype, device=cm.seq_lens.device),
+            num_reqs=1,
+            num_actual_tokens=num_tokens,
+            max_query_len=num_tokens,
+            max_seq_len=length,
+            block_table_tensor=row[:, columns.to(row.device)],
+            slot_mapping=cm.slot_mapping[first_token : first_token + num_tokens],
+        )
+        return super().build(0, segment)
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # no model-parallel group (unit use)
+        return 0
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +386,16 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 output_scale, output_block_scale,
             )
         key_cache, value_cache = split_kv_cache(kv_cache)
+        layer_index = plan.layer_index[layer.layer_name]
+        state = plan.state
+        if state.poison_freed_blocks:
+            state.kv_caches.setdefault(layer_index, kv_cache)
+            if plan.unwritten_tail_slots is not None:
+                # vLLM's kernel reads a request's last block whole and masks
+                # the slots past seq_len; 0 * NaN would still be NaN. A new
+                # block may be a poisoned one, so clear its unwritten tail (as
+                # vLLM zeroes new blocks when stale bytes could decode to NaN).
+                self._clear_slots(layer, plan.unwritten_tail_slots, key, key_cache, value_cache)
         if plan.config.cpu_attention == "native":
             super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output,
@@ -301,9 +403,13 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             )
         else:
             self._torch_attention(plan, query, key_cache, value_cache, output)
-        layer_index = plan.layer_index[layer.layer_name]
         for eviction in plan.evictions:
             self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
+            if eviction.segment_end > eviction.point:
+                self._attend_segment(
+                    plan, layer, eviction, query, key, value, kv_cache, key_cache,
+                    value_cache, output,
+                )
         if plan.ring_tokens is not None:
             ring = plan.state.query_ring[layer_index]
             ring.view(-1, *ring.shape[2:]).index_copy_(
@@ -330,6 +436,55 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             output[start:end] = region_attention_reference(
                 query[start:end], keys, values, frontier, self.scale
             ).to(output.dtype)
+
+    def _clear_slots(
+        self,
+        layer: AttentionLayer,
+        slots: torch.Tensor,
+        like: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> None:
+        zeros = like.new_zeros((slots.numel(), *like.shape[1:]))
+        ops.cpu_attn_reshape_and_cache(
+            zeros, zeros, key_cache, value_cache, slots.long(),
+            layer.isa,  # type: ignore[attr-defined]
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def _attend_segment(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        ev: RequestEviction,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of the tokens after ``ev.point`` over the region it left."""
+        tokens = ev.segment_tokens
+        if plan.config.cpu_attention == "native":
+            assert ev.segment_metadata is not None
+            CPUAttentionBackendImpl.forward(
+                self,
+                layer, query[tokens], key[tokens], value[tokens], kv_cache,
+                ev.segment_metadata, output[tokens],
+            )
+            return
+        bs = plan.schedule.block_size
+        block_ids = plan.block_table[ev.batch_index, ev.frontier_after // bs : cdiv(ev.segment_end, bs)]
+        length = ev.segment_end - ev.frontier_after
+        keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
+        values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
+        output[tokens] = region_attention_reference(
+            query[tokens], keys, values, ev.frontier_after, self.scale
+        ).to(output.dtype)
 
     def _evict(
         self,
@@ -388,6 +543,11 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype,
         )
         positions_row[:, :num_keep] = positions.gather(1, kept)
+        if state.poison_freed_blocks:
+            # The scheduler returns these to the pool once this step is done.
+            state.poison(
+                block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer_index
+            )
 
     def _observation_queries(
         self,

@@ -5,6 +5,15 @@ ids nor prompt lengths. Both are needed: the prompt length places the eviction
 points, and the request id keys the per-request side buffers. The V1 model
 runner (the one vLLM's CPU platform uses) knows them; we wrap two of its
 methods to publish them, only in worker processes and only once.
+
+One more wrap fixes a vLLM 0.32 CPU crash that serving long prompts hits: a
+seeded sampling request (``seed`` with temperature > 0) whose prompt takes
+several steps samples a token at each partial-prefill step, discards it, and
+rewinds its generator with ``Generator.set_offset``, which CPU generators do
+not support ("CPU Generator does not use offset": the worker dies and takes
+the engine with it). We restore the generator's state after a discarded
+sample instead, which is what the rewind means, so a seeded request samples
+the same text however its prompt was cut into steps.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ def current_batch() -> BatchContext | None:
 
 
 def on_requests_finished(listener: Callable[[set[str]], None]) -> None:
+    """Call ``listener(ids)`` when requests finish, are aborted or are preempted."""
     _finished_listeners.append(listener)
 
 
@@ -49,6 +59,8 @@ def install_runner_hooks() -> None:
     check_runner_contract(GPUModelRunner)
     build_metadata = GPUModelRunner._build_attention_metadata
     update_states = GPUModelRunner._update_states
+    sample = GPUModelRunner._sample
+    bookkeeping_sync = GPUModelRunner._bookkeeping_sync
 
     @functools.wraps(build_metadata)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,12 +83,49 @@ def install_runner_hooks() -> None:
 
     @functools.wraps(update_states)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
+        # A preempted request loses all its blocks and starts over when it is
+        # resumed: its side-buffer rows go back to the pool like a finished one's.
         finished = set(scheduler_output.finished_req_ids)
+        finished.update(scheduler_output.preempted_req_ids or ())
         if finished:
             for listener in _finished_listeners:
                 listener(finished)
         return update_states(self, scheduler_output)
 
+    def _discarded_cpu_generators(self: Any) -> dict[int, Any]:
+        """Seeded CPU generators of the requests whose sample this step discards."""
+        num_reqs = self.input_batch.num_reqs
+        generators = self.input_batch.generators
+        return {
+            int(i): generators[int(i)]
+            for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
+            if int(i) in generators and generators[int(i)].device.type == "cpu"
+        }
+
+    @functools.wraps(sample)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = {i: g.get_state() for i, g in self._discarded_cpu_generators().items()}
+        output = sample(self, *args, **kwargs)
+        generators = self.input_batch.generators
+        for i, state in saved.items():
+            generators[i].set_state(state)
+        return output
+
+    @functools.wraps(bookkeeping_sync)
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Already rewound in _sample: hide them from the offset rewind.
+        hidden = self._discarded_cpu_generators()
+        generators = self.input_batch.generators
+        for i in hidden:
+            del generators[i]
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
     GPUModelRunner._update_states = _update_states
+    GPUModelRunner._discarded_cpu_generators = _discarded_cpu_generators
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     _installed = True

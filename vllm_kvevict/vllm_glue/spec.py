@@ -41,6 +41,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
     evict_max_step_tokens: int
     evict_prefill_mode: str = "per_chunk"
     evict_end_of_prompt_max_tokens: int = 0
+    evict_prefill_interval: int = 512
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -52,7 +53,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         return EvictionSchedule(
             self.evict_budget, self.evict_interval, self.block_size,
             self.evict_prefill_mode,  # type: ignore[arg-type]
-            self.evict_end_of_prompt_max_tokens,
+            self.evict_end_of_prompt_max_tokens, self.evict_prefill_interval,
         )
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
@@ -72,7 +73,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         # and would silently drop ours (and with them, eviction).
         extra = {
             (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode,
-             s.evict_end_of_prompt_max_tokens)
+             s.evict_end_of_prompt_max_tokens, s.evict_prefill_interval)
             for s in specs
         }
         if len(extra) != 1:
@@ -89,6 +90,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         max_step_tokens: int,
         prefill_mode: str,
         end_of_prompt_max_tokens: int = 0,
+        prefill_interval: int = 512,
     ) -> EvictingAttentionSpec:
         values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -98,6 +100,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
             evict_max_step_tokens=max_step_tokens,
             evict_prefill_mode=prefill_mode,
             evict_end_of_prompt_max_tokens=end_of_prompt_max_tokens,
+            evict_prefill_interval=prefill_interval,
         )
 
 

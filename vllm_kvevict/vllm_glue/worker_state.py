@@ -8,15 +8,38 @@
 * ``query_ring[layer, row, pos % W]``: the last ``W`` post-RoPE queries, for
   query-based policies (SnapKV's observation window at decode time).
 
-Rows are assigned per request id and reused after the request finishes. A
-request that starts over (new, or recomputed after preemption) rewrites its
-row from position 0, and nothing reads a row beyond what the current run has
-written, so rows need no clearing.
+Rows are assigned per request id and go back to the pool when the request
+finishes, is aborted or is preempted. A request that starts over (new, or
+recomputed after preemption) gets a row and rewrites it from position 0, and
+nothing reads a row beyond what the current run has written, so rows need no
+clearing.
+
+The state also remembers which blocks each request holds after its last step,
+for the isolation debug mode (``poison_freed_blocks``): every block the
+scheduler is about to return to the pool is filled with NaN, so a read of a
+block the request no longer owns shows up as NaN in an output.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class WorkerCounters:
+    """What this worker's eviction state holds and has done, for tests and tools."""
+
+    rows_in_use: int = 0
+    rows_allocated: int = 0
+    side_buffer_bytes: int = 0
+    blocks_poisoned: int = 0
+    nan_outputs: int = 0
 
 
 class WorkerEvictionState:
@@ -44,6 +67,14 @@ class WorkerEvictionState:
         self.num_rows = 0
         self.positions = torch.empty(0)
         self.query_ring = torch.empty(0)
+        # Isolation debug mode: blocks each request holds after its last step,
+        # and the KV cache of every layer (seen by the first forward).
+        self.poison_freed_blocks = False
+        self.held_blocks: dict[str, torch.Tensor] = {}
+        self.kv_caches: dict[int, torch.Tensor] = {}
+        self.counters = WorkerCounters()
+        self.stats_path: str | None = None
+        self._last_write = 0.0
         self._grow(8)
 
     def _grow(self, num_rows: int) -> None:
@@ -66,6 +97,10 @@ class WorkerEvictionState:
             self.query_ring = ring
         self.free_rows.extend(range(num_rows - 1, self.num_rows - 1, -1))
         self.num_rows = num_rows
+        self.counters.rows_allocated = num_rows
+        self.counters.side_buffer_bytes = sum(
+            t.numel() * t.element_size() for t in (self.positions, self.query_ring)
+        )
 
     def row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)
@@ -74,10 +109,44 @@ class WorkerEvictionState:
                 self._grow(self.num_rows * 2)
             row = self.free_rows.pop()
             self.row_of[req_id] = row
+            self.counters.rows_in_use = len(self.row_of)
+            self.write_snapshot()
         return row
 
     def release(self, req_ids: set[str]) -> None:
+        """Requests that finished, were aborted or were preempted: free their rows."""
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.free_rows.append(row)
+            blocks = self.held_blocks.pop(req_id, None)
+            if blocks is not None and self.poison_freed_blocks:
+                # vLLM returns all of them to the pool in this same step.
+                self.poison(blocks)
+        self.counters.rows_in_use = len(self.row_of)
+        self.write_snapshot(force=True)
+
+    def poison(self, block_ids: torch.Tensor, layer_index: int | None = None) -> None:
+        """Fill blocks (every head, K and V) with NaN in one layer or all of them."""
+        if block_ids.numel() == 0:
+            return
+        layers = self.kv_caches if layer_index is None else {layer_index: self.kv_caches[layer_index]}
+        for kv_cache in layers.values():
+            kv_cache[block_ids.to(kv_cache.device).long()] = float("nan")
+        if layer_index in (None, 0):
+            self.counters.blocks_poisoned += int(block_ids.numel())
+
+    def write_snapshot(self, force: bool = False) -> None:
+        """Publish the counters to ``stats_path`` (throttled unless forced)."""
+        if not self.stats_path:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_write < 0.05:
+            return
+        self._last_write = now
+        data = {**self.counters.__dict__, "pid": os.getpid()}
+        directory = os.path.dirname(os.path.abspath(self.stats_path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvevict-worker")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle)
+        os.replace(tmp, self.stats_path)
