@@ -17,6 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--target", default=None, help="output directory (default: cache)")
     fetch.add_argument("--force", action="store_true", help="convert again")
     commands.add_parser("policies", help="list the eviction policies and their options")
+    commands.add_parser(
+        "soak", add_help=False,
+        help="bounded load test against vllm serve --kv-eviction (see kvevict soak --help)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "soak":
+        from vllm_kvevict.evaluation.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "fetch-model":

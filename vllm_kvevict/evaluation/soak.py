@@ -1,0 +1,280 @@
+"""A bounded soak test against a real `vllm serve --kv-eviction` on loopback.
+
+Clients in threads send, until the time is up, a random mix of short and long
+prompts, streaming and not, completions and chat, some of them dropped at a
+random point (client disconnect), with more clients than the server runs
+requests at once and a KV pool smaller than their prompts. Then the server
+must go back to idle: every block back in vLLM's pool, every side-buffer row
+free. The resident memory of the server's processes is sampled throughout; the
+report compares the start (after warm-up) and the end.
+
+    kvevict soak --duration 600 --clients 12    # starts its own server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import requests
+
+from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+from vllm_kvevict.evaluation.server import VllmServer
+from vllm_kvevict.evaluation.tasks import needle_prompt
+
+KINDS = ("short", "long", "stream", "chat", "abort")
+
+
+@dataclass
+class SoakReport:
+    duration_s: float
+    clients: int
+    sent: Counter = field(default_factory=Counter)  # per kind
+    failed: list[str] = field(default_factory=list)  # one line per failed request
+    aborted: int = 0
+    completion_tokens: int = 0
+    rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB)
+    warmup_s: float = 0.0
+    idle_stats: dict = field(default_factory=dict)
+    idle_workers: list[dict] = field(default_factory=list)
+    leak: str | None = None  # why the server did not get back to idle
+
+    @property
+    def rss_after_warmup(self) -> tuple[float, float]:
+        """Median RSS of the first and the last quarter of the samples after warm-up."""
+        samples = [mib for t, mib in self.rss_mib if t >= self.warmup_s]
+        if len(samples) < 4:
+            return (samples[0], samples[-1]) if samples else (0.0, 0.0)
+        quarter = max(1, len(samples) // 4)
+        return statistics.median(samples[:quarter]), statistics.median(samples[-quarter:])
+
+    def table(self) -> str:
+        start, end = self.rss_after_warmup
+        rows = [
+            ("duration (s)", f"{self.duration_s:.0f}"),
+            ("clients", str(self.clients)),
+            ("requests sent", str(sum(self.sent.values()))),
+            ("  by kind", ", ".join(f"{k} {self.sent[k]}" for k in KINDS)),
+            ("aborted by the client", str(self.aborted)),
+            ("failed (not aborted)", str(len(self.failed))),
+            ("completion tokens", str(self.completion_tokens)),
+            ("blocks freed by eviction", str(self.idle_stats.get("blocks_freed_by_eviction"))),
+            ("leaked blocks at the end",
+             str(self.idle_stats.get("num_blocks", 1) - 1 - self.idle_stats.get("free_blocks", 0))),
+            ("side-buffer rows in use at the end",
+             str(sum(w.get("rows_in_use", 0) for w in self.idle_workers))),
+            ("NaN attention outputs", str(sum(w.get("nan_outputs", 0) for w in self.idle_workers))),
+            ("server RSS after warm-up (MiB)", f"{start:.0f}"),
+            ("server RSS at the end (MiB)", f"{end:.0f}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"| {'measure'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+        lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+        if self.leak:
+            lines.append(f"LEAK: {self.leak}")
+        lines += [f"FAILED: {line}" for line in self.failed[:20]]
+        return "\n".join(lines)
+
+
+def process_tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (API server, engine, workers)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+class SoakClient:
+    def __init__(self, server: VllmServer, tokenizer, report: SoakReport, seed: int) -> None:
+        self.server = server
+        self.tokenizer = tokenizer
+        self.report = report
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+
+    def _prompt(self, tokens: int) -> tuple[str, str]:
+        key = str(self.rng.randint(10000, 99999))
+        return needle_prompt(self.tokenizer, int(key), tokens, self.rng.random()), key
+
+    def _fail(self, kind: str, why: str) -> None:
+        with self.lock:
+            self.report.failed.append(f"{kind}: {why}"[:300])
+
+    def one_request(self) -> None:
+        kind = self.rng.choice(KINDS)
+        with self.lock:
+            self.report.sent[kind] += 1
+        long = kind == "long" or (kind in ("stream", "abort") and self.rng.random() < 0.5)
+        prompt, _ = self._prompt(self.rng.randint(1500, 3000) if long else self.rng.randint(80, 600))
+        max_tokens = self.rng.randint(1, 96)
+        url = self.server.url
+        try:
+            if kind == "chat":
+                response = requests.post(
+                    url + "/v1/chat/completions",
+                    json={"model": "smollm2", "max_tokens": max_tokens, "temperature": 0,
+                          "messages": [{"role": "user", "content": prompt}]},
+                    timeout=900,
+                )
+                if response.status_code != 200:
+                    return self._fail(kind, f"HTTP {response.status_code} {response.text}")
+                usage = response.json()["usage"]["completion_tokens"]
+            elif kind in ("short", "long"):
+                response = requests.post(
+                    url + "/v1/completions",
+                    json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                          "temperature": 0, "ignore_eos": True},
+                    timeout=900,
+                )
+                if response.status_code != 200:
+                    return self._fail(kind, f"HTTP {response.status_code} {response.text}")
+                usage = response.json()["usage"]["completion_tokens"]
+                if usage != max_tokens:
+                    return self._fail(kind, f"{usage} tokens, asked {max_tokens}")
+            else:
+                usage = self._stream(kind, prompt, max_tokens)
+                if usage is None:
+                    return
+            with self.lock:
+                self.report.completion_tokens += usage
+        except requests.RequestException as exc:
+            self._fail(kind, repr(exc))
+
+    def _stream(self, kind: str, prompt: str, max_tokens: int) -> int | None:
+        drop_after = self.rng.randint(0, max_tokens) if kind == "abort" else None
+        with requests.post(
+            self.server.url + "/v1/completions",
+            json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                  "temperature": 0, "ignore_eos": True, "stream": True},
+            stream=True, timeout=900,
+        ) as response:
+            if response.status_code != 200:
+                self._fail(kind, f"HTTP {response.status_code} {response.text}")
+                return None
+            events, done = 0, False
+            for line in response.iter_lines():
+                if line == b"data: [DONE]":
+                    done = True
+                    break
+                if line.startswith(b"data: {"):
+                    if b'"error"' in line[:40]:
+                        self._fail(kind, line.decode()[:200])
+                        return None
+                    events += 1
+                    if drop_after is not None and events >= drop_after:
+                        with self.lock:
+                            self.report.aborted += 1
+                        return None  # closing the response drops the connection
+        if not done or events != max_tokens:
+            self._fail(kind, f"stream ended after {events} of {max_tokens} tokens")
+            return None
+        return events
+
+
+def run_soak(
+    server: VllmServer,
+    tokenizer,
+    duration_s: float,
+    clients: int = 12,
+    warmup_s: float = 30.0,
+    seed: int | None = None,
+    idle_timeout_s: float = 60.0,
+) -> SoakReport:
+    """Drive ``server`` for ``duration_s`` seconds, then check it is back to idle."""
+    seed = random.randrange(2**32) if seed is None else seed
+    report = SoakReport(duration_s=duration_s, clients=clients, warmup_s=warmup_s)
+    start = time.monotonic()
+    deadline = start + duration_s
+    stop_sampling = threading.Event()
+
+    def sample_rss() -> None:
+        while not stop_sampling.wait(2.0):
+            report.rss_mib.append(
+                (time.monotonic() - start, process_tree_rss_mib(server.process.pid))
+            )
+
+    def client_loop(index: int) -> None:
+        client = SoakClient(server, tokenizer, report, seed + index)
+        while time.monotonic() < deadline:
+            client.one_request()
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stop_sampling.set()
+    sampler.join()
+    try:
+        report.idle_stats, report.idle_workers = server.wait_idle(timeout=idle_timeout_s)
+    except TimeoutError as exc:
+        report.leak = str(exc)
+        report.idle_stats = server.stats()
+        report.idle_workers = [server.worker_stats()]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvevict soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=600, help="seconds of load")
+    parser.add_argument("--clients", type=int, default=12)
+    parser.add_argument("--warmup", type=float, default=30, help="seconds before RSS counts")
+    parser.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2)")
+    parser.add_argument("--policy", default="snapkv")
+    parser.add_argument("--config", default='{"budget": 512}', help="--kv-eviction-config")
+    parser.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks")
+    parser.add_argument("--workdir", default="soak-run", help="server log and stats")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from vllm_kvevict.default_model import fetch_default_model
+
+    model = args.model or str(fetch_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = soak_server(model, args.policy, args.config, args.pool_blocks, workdir)
+    try:
+        server.wait_ready()
+        report = run_soak(server, tokenizer, args.duration, args.clients, args.warmup)
+    finally:
+        server.stop()
+    print(report.table())
+    (workdir / "report.json").write_text(json.dumps({
+        "sent": report.sent, "failed": report.failed, "aborted": report.aborted,
+        "rss_mib": report.rss_mib, "idle_stats": report.idle_stats,
+        "idle_workers": report.idle_workers, "leak": report.leak,
+    }, indent=1))
+    return 0 if not report.failed and not report.leak else 1
+
+
+def soak_server(model: str, policy: str, config: str, pool_blocks: int, workdir: Path) -> VllmServer:
+    """`vllm serve` of the default model with eviction and a small KV pool."""
+    return VllmServer(
+        model,
+        ["--kv-eviction", policy, "--kv-eviction-config", config,
+         "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+         "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
+         "--kv-cache-memory-bytes", str(pool_blocks * DEFAULT_MODEL_BLOCK_BYTES + 4096)],
+        stats_path=workdir / "stats.json",
+        log_path=workdir / "server.log",
+    )
