@@ -571,4 +571,40 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
         fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
         gathered[~from_ring] = query[fresh]
-        return gathered.transpose(0, 1), positions
+        return _whole_query_group(gathered.transpose(0, 1)), positions
+
+
+def _whole_query_group(queries: torch.Tensor) -> torch.Tensor:
+    """This rank's observation queries, ``[Hq_local, W, D]``, completed to every
+    query head that shares its KV head.
+
+    With more ranks than KV heads vLLM replicates each KV head on ``r`` ranks,
+    and each replica holds only ``G / r`` of the ``G`` query heads that attend
+    to it. A query-based policy scoring with those alone would keep different
+    tokens on each replica (and not those of TP=1). The replicas of one KV head
+    are consecutive ranks holding consecutive query heads, so gathering them
+    rebuilds the group in order. Every rank runs the same evictions in the
+    same order (they follow from the scheduler's output), so the collective
+    cannot deadlock.
+    """
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        get_tp_group,
+    )
+
+    try:
+        tp = get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):  # no model-parallel group (unit use)
+        return queries
+    vllm_config = worker_vllm_config()
+    if tp == 1 or vllm_config is None:
+        return queries
+    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    if tp <= total_kv_heads:
+        return queries
+    replicas = tp // total_kv_heads
+    gathered = get_tp_group().all_gather(queries.contiguous(), dim=0)  # [Hq_total, W, D]
+    first = get_tensor_model_parallel_rank() // replicas * replicas
+    local = queries.shape[0]
+    return gathered[first * local : (first + replicas) * local]
