@@ -50,6 +50,7 @@ def test_prompt_longer_than_kv_pool_is_served(streaming_llm, tokenizer):
     from vllm import SamplingParams
 
     llm, stats_path = streaming_llm
+    admitted_beyond = _exported("kvevict_requests_admitted_beyond_memory_total")
     prompt = needle_prompt(tokenizer, 71432)
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     num_tokens = len(out[0].prompt_token_ids) + 16
@@ -59,6 +60,20 @@ def test_prompt_longer_than_kv_pool_is_served(streaming_llm, tokenizer):
     assert stats["blocks_freed_by_eviction"] >= (num_tokens - 512 - 2 * 512) // 32
     assert stats["blocks_held"] == 0
     assert stats["free_blocks"] == stats["num_blocks"] - 1
+    # Its prompt alone (~2.9k tokens, 91 blocks) exceeds the 63 free blocks:
+    # without eviction vLLM would never have admitted it.
+    assert _exported("kvevict_requests_admitted_beyond_memory_total") == admitted_beyond + 1
+
+
+def _exported(name: str) -> float:
+    """A kvevict_ series as this process's Prometheus registry serves it."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(REGISTRY).decode()
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 def test_snapkv_finds_needle_streamingllm_does_not(streaming_llm, snapkv_server, tokenizer):

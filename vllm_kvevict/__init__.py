@@ -25,6 +25,7 @@ def register() -> None:
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm_kvevict.metrics import install_metrics_export
     from vllm_kvevict.vllm_glue.cli import install_cli
     from vllm_kvevict.vllm_glue.spec import register_spec
 
@@ -33,4 +34,5 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     register_spec()
     install_cli()
+    install_metrics_export()
     _registered = True

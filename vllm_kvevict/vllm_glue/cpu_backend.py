@@ -32,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
+from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
@@ -86,6 +88,16 @@ def active_config(vllm_config: VllmConfig | None = None) -> EvictionConfig | Non
     return config_from_additional(vllm_config.additional_config)
 
 
+def metric_labels(vllm_config: VllmConfig, config: EvictionConfig) -> dict[str, str]:
+    """The labels of every kvevict_ series, as vLLM labels its own."""
+    name = vllm_config.model_config.served_model_name
+    return {
+        "model_name": name if isinstance(name, str) else str(name[0]),
+        "engine": str(vllm_config.parallel_config.data_parallel_rank),
+        "policy": config.policy,
+    }
+
+
 class KVEvictCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_name() -> str:
@@ -123,6 +135,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
             prefill_interval=(
                 config.prefill_interval or vllm_config.scheduler_config.max_num_batched_tokens
             ),
+            metric_labels=tuple(metric_labels(vllm_config, config).items()),
         )
 
 
@@ -166,6 +179,8 @@ class EvictionStepPlan:
     ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
     ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
     unwritten_tail_slots: torch.Tensor | None  # poison mode: slots past seq_len in last blocks
+    num_evictions: int = 0  # (request, point) pairs that drop tokens
+    eviction_seconds: float = 0.0  # summed over layers as they run
 
 
 @dataclass
@@ -205,9 +220,18 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             device=device,
         )
         self.state.poison_freed_blocks = config.poisons_freed_blocks
+        rank = _tensor_parallel_rank()
+        self.state.metrics = ProcessMetrics(
+            f"engine{vllm_config.parallel_config.data_parallel_rank}-worker{rank}",
+            WORKER_METRICS,
+            metric_labels(vllm_config, config),
+        )
+        # Every rank applies the same evictions: rank 0 counts them.
+        self.state.counts_evictions = rank == 0
+        self.state.publish_side_buffers(str(rank))
         stats_path = os.environ.get(STATS_PATH_ENV)
         if stats_path:
-            self.state.stats_path = f"{stats_path}.worker{_tensor_parallel_rank()}"
+            self.state.stats_path = f"{stats_path}.worker{rank}"
             self.state.write_snapshot(force=True)
         install_runner_hooks()
         on_requests_finished(self.state.release)
@@ -266,6 +290,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                     )
                 )
                 last_point, frontier = point, frontier_after
+            self.state.retained_tokens[req_id] = n_after - frontier
             if self.state.poison_freed_blocks:
                 # What the request holds once this step is done; all of it
                 # goes back to the pool when the request ends or is preempted.
@@ -311,6 +336,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             ring_tokens=torch.cat(ring_tokens) if ring_tokens else None,
             ring_slots=torch.cat(ring_slots) if ring_slots else None,
             unwritten_tail_slots=torch.cat(tail_slots) if tail_slots else None,
+            num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),
         )
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictCPUMetadata(**values, eviction=plan)
@@ -403,6 +429,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             )
         else:
             self._torch_attention(plan, query, key_cache, value_cache, output)
+        started = time.perf_counter()
         for eviction in plan.evictions:
             self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
             if eviction.segment_end > eviction.point:
@@ -410,6 +437,9 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                     plan, layer, eviction, query, key, value, kv_cache, key_cache,
                     value_cache, output,
                 )
+        plan.eviction_seconds += time.perf_counter() - started
+        if layer_index == len(plan.layer_index) - 1:
+            state.end_step(plan.num_evictions, plan.eviction_seconds)
         if plan.ring_tokens is not None:
             ring = plan.state.query_ring[layer_index]
             ring.view(-1, *ring.shape[2:]).index_copy_(
@@ -543,6 +573,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype,
         )
         positions_row[:, :num_keep] = positions.gather(1, kept)
+        state.observe_head_retained(num_keep, num_heads)
         if state.poison_freed_blocks:
             # The scheduler returns these to the pool once this step is done.
             state.poison(

@@ -24,6 +24,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class EvictingAttentionSpec(FullAttentionSpec):
     evict_prefill_mode: str = "per_chunk"
     evict_end_of_prompt_max_tokens: int = 0
     evict_prefill_interval: int = 512
+    # Prometheus labels (model_name, engine, policy) for the engine core's series.
+    evict_metric_labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -73,7 +76,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         # and would silently drop ours (and with them, eviction).
         extra = {
             (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode,
-             s.evict_end_of_prompt_max_tokens, s.evict_prefill_interval)
+             s.evict_end_of_prompt_max_tokens, s.evict_prefill_interval, s.evict_metric_labels)
             for s in specs
         }
         if len(extra) != 1:
@@ -91,6 +94,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         prefill_mode: str,
         end_of_prompt_max_tokens: int = 0,
         prefill_interval: int = 512,
+        metric_labels: tuple[tuple[str, str], ...] = (),
     ) -> EvictingAttentionSpec:
         values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -101,6 +105,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
             evict_prefill_mode=prefill_mode,
             evict_end_of_prompt_max_tokens=end_of_prompt_max_tokens,
             evict_prefill_interval=prefill_interval,
+            evict_metric_labels=metric_labels,
         )
 
 
@@ -109,6 +114,8 @@ class RequestTrace:
     """What one request held and where its blocks were freed."""
 
     prompt_len: int = 0
+    tokens: int = 0  # processed tokens at the last schedule
+    retained: int = 0  # of which each KV head keeps (tokens - frontier)
     peak_blocks: int = 0
     free_points: list[int] = field(default_factory=list)  # processed tokens at each free
 
@@ -157,6 +164,13 @@ class EvictionManager(FullAttentionManager):
         )
         super().__init__(kv_cache_spec, **kwargs)
         self.stats = ManagerStats()
+        labels = dict(kv_cache_spec.evict_metric_labels) or {
+            "model_name": "", "engine": "0", "policy": ""
+        }
+        self.metrics = ProcessMetrics(f"engine{labels['engine']}", ENGINE_METRICS, labels)
+        # Sums over admitted requests, kept incrementally (updated every step).
+        self._logical_tokens = 0
+        self._retained_tokens = 0
         self._stats_path = os.environ.get(STATS_PATH_ENV)
         self._last_write = 0.0
         self._lock = threading.Lock()
@@ -173,10 +187,15 @@ class EvictionManager(FullAttentionManager):
                 "vllm-kvevict needs the prompt length to place the eviction frontier; "
                 "this vLLM code path is not supported (is a KV connector configured?)"
             )
+        trace = self.stats.live.setdefault(request_id, RequestTrace())
+        trace.prompt_len = num_prompt_tokens
         if request_id not in self.req_to_blocks:
             return
         frontier = self.schedule.frontier(processed_computed_tokens, num_prompt_tokens)
-        self.stats.live.setdefault(request_id, RequestTrace()).prompt_len = num_prompt_tokens
+        self._logical_tokens += processed_computed_tokens - trace.tokens
+        self._retained_tokens += processed_computed_tokens - frontier - trace.retained
+        trace.tokens, trace.retained = processed_computed_tokens, processed_computed_tokens - frontier
+        self._update_metrics(force=False)
         blocks = self.req_to_blocks[request_id]
         last = min(frontier // self.block_size, len(blocks))
         freed = sum(1 for block in blocks[:last] if not block.is_null)
@@ -184,6 +203,7 @@ class EvictionManager(FullAttentionManager):
             self._remove_blocks_in_range(request_id, 0, last)
             self.stats.blocks_freed_by_eviction += freed
             self.stats.eviction_frees += 1
+            self.metrics.get("kvevict_blocks_freed").inc(freed)
             points = self.stats.live[request_id].free_points
             if len(points) < ManagerStats.MAX_FREE_POINTS:
                 points.append(processed_computed_tokens)
@@ -191,14 +211,25 @@ class EvictionManager(FullAttentionManager):
 
     def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
         is_new = request_id not in self.req_to_blocks
+        free_before = self.block_pool.get_num_free_blocks()
         new_blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
         if is_new:
             self.stats.requests_admitted += 1
+            self.metrics.get("kvevict_requests_admitted").inc()
+            # Without eviction vLLM admits a request only when its whole
+            # prompt fits in the free blocks.
+            trace = self.stats.live.get(request_id)
+            if trace is not None and cdiv(trace.prompt_len, self.block_size) > free_before:
+                self.metrics.get("kvevict_requests_admitted_beyond_memory").inc()
         if new_blocks:
             self._account(request_id)
         return new_blocks
 
     def free(self, request_id: str) -> None:
+        trace = self.stats.live.get(request_id)
+        if trace is not None and request_id in self.req_to_blocks:
+            self._logical_tokens -= trace.tokens
+            self._retained_tokens -= trace.retained
         super().free(request_id)
         self.stats.finish(request_id)
         self._account(None, force=True)
@@ -216,6 +247,16 @@ class EvictionManager(FullAttentionManager):
         stats.live_requests = len(self.req_to_blocks)
         stats.peak_blocks_held = max(stats.peak_blocks_held, stats.blocks_held)
         self._write_snapshot(force)
+        self._update_metrics(force)
+
+    def _update_metrics(self, force: bool) -> None:
+        logical, retained = self._logical_tokens, self._retained_tokens
+        metrics = self.metrics
+        metrics.get("kvevict_logical_tokens").set(logical)
+        metrics.get("kvevict_retained_tokens").set(retained)
+        metrics.get("kvevict_compression_ratio").set(logical / retained if retained else 1.0)
+        metrics.get("kvevict_blocks_held").set(self.stats.blocks_held)
+        metrics.export(force)
 
     def _write_snapshot(self, force: bool) -> None:
         """Publish the counters for tests and tools (``KVEVICT_STATS_PATH``)."""

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.metrics import ProcessMetrics
+
 
 @dataclass
 class WorkerCounters:
@@ -73,6 +75,12 @@ class WorkerEvictionState:
         self.held_blocks: dict[str, torch.Tensor] = {}
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.counters = WorkerCounters()
+        # Prometheus series (set by the metadata builder) and the tokens each
+        # running request keeps per head (n - frontier) after its last step.
+        self.metrics: ProcessMetrics | None = None
+        self.counts_evictions = False
+        self.retained_tokens: dict[str, int] = {}
+        self._rank_label = "0"
         self.stats_path: str | None = None
         self._last_write = 0.0
         self._grow(8)
@@ -101,6 +109,42 @@ class WorkerEvictionState:
         self.counters.side_buffer_bytes = sum(
             t.numel() * t.element_size() for t in (self.positions, self.query_ring)
         )
+        if self.metrics is not None:
+            self.publish_side_buffers(self._rank_label)
+
+    def publish_side_buffers(self, rank: str) -> None:
+        self._rank_label = rank
+        if self.metrics is not None:
+            self.metrics.get("kvevict_side_buffer_bytes", rank=rank).set(
+                self.counters.side_buffer_bytes
+            )
+            self.metrics.export(force=True)
+
+    def end_step(self, evictions: int, seconds: float) -> None:
+        """After the last layer of a step: publish what the step did."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        if self.counts_evictions:
+            if evictions:
+                metrics.get("kvevict_eviction_events").inc(evictions)
+                metrics.get("kvevict_eviction_seconds").observe(seconds)
+            self._publish_retained()
+        metrics.export()
+
+    def observe_head_retained(self, num_keep: int, num_heads: int) -> None:
+        if self.metrics is not None and self.counts_evictions:
+            histogram = self.metrics.get("kvevict_head_retained_tokens")
+            for _ in range(num_heads):
+                histogram.observe(num_keep)
+
+    def _publish_retained(self) -> None:
+        # Every head of every layer keeps the same count today; per-head
+        # budgets will make these differ.
+        total = sum(self.retained_tokens.values())
+        assert self.metrics is not None
+        for layer in range(self.num_layers):
+            self.metrics.get("kvevict_layer_retained_tokens", layer=str(layer)).set(total)
 
     def row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)
@@ -119,12 +163,17 @@ class WorkerEvictionState:
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.free_rows.append(row)
+            self.retained_tokens.pop(req_id, None)
             blocks = self.held_blocks.pop(req_id, None)
             if blocks is not None and self.poison_freed_blocks:
                 # vLLM returns all of them to the pool in this same step.
                 self.poison(blocks)
         self.counters.rows_in_use = len(self.row_of)
         self.write_snapshot(force=True)
+        if self.metrics is not None:
+            if self.counts_evictions:
+                self._publish_retained()
+            self.metrics.export(force=True)
 
     def poison(self, block_ids: torch.Tensor, layer_index: int | None = None) -> None:
         """Fill blocks (every head, K and V) with NaN in one layer or all of them."""

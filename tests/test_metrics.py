@@ -1,0 +1,169 @@
+"""Prometheus series: exported from the engine core and workers, served by the API server.
+
+The end-to-end test runs a known workload through the shared
+`vllm serve --kv-eviction snapkv` (budget 512, blocks of 32, evict every 32
+decode steps, end_of_prompt) and checks each series against values computed
+here from the storage rule, independently of the plugin's code.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import needle_prompt
+from vllm_kvevict.metrics import METRIC_NAMES, ENGINE_METRICS, ExportedMetricsCollector, ProcessMetrics
+
+BUDGET, BLOCK, INTERVAL = 512, 32, 32
+NUM_LAYERS, NUM_KV_HEADS = 30, 3
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """All kvevict_ samples of /metrics, keyed by (name, sorted labels)."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvevict_"):
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def total(samples: dict, name: str, **where: str) -> float:
+    return sum(
+        v for (n, labels), v in samples.items()
+        if n == name and all(dict(labels).get(k) == w for k, w in where.items())
+    )
+
+
+def frontier(n: int, prompt_len: int) -> int:
+    """end_of_prompt storage rule, written out: last point P, F = floor((P - B) / bs) * bs."""
+    if n < prompt_len:
+        return 0
+    point = prompt_len + (n - prompt_len) // INTERVAL * INTERVAL
+    return max(0, (point - BUDGET) // BLOCK) * BLOCK
+
+
+def expected_request(prompt_len: int, max_tokens: int) -> tuple[int, int]:
+    """(blocks freed while it ran, evictions that dropped tokens) for one request alone.
+
+    The last sampled token is never fed back, so the request processes
+    prompt_len + max_tokens - 1 tokens; the scheduler frees blocks when it
+    schedules a step, so the last frees follow the step before the last.
+    """
+    processed = prompt_len + max_tokens - 1
+    freed = frontier(processed - 1, prompt_len) // BLOCK
+    events, previous = 0, 0
+    for point in range(prompt_len, processed + 1, INTERVAL):
+        now = max(0, (point - BUDGET) // BLOCK) * BLOCK
+        events += now > previous
+        previous = now
+    return freed, events
+
+
+def test_exported_files_merge_into_one_family_per_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEVICT_METRICS_DIR", str(tmp_path))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    engines = [
+        ProcessMetrics(f"engine{i}", ENGINE_METRICS, {"model_name": "m", "engine": str(i), "policy": "p"})
+        for i in range(2)
+    ]
+    freed = [random.randint(1, 1000) for _ in engines]
+    for metrics, n in zip(engines, freed):
+        metrics.get("kvevict_blocks_freed").inc(n)
+        metrics.get("kvevict_logical_tokens").set(3 * n)
+        metrics.export(force=True)
+    families = {f.name: f for f in ExportedMetricsCollector(str(tmp_path)).collect()}
+    assert families["kvevict_blocks_freed"].type == "counter"
+    values = {s.labels["engine"]: s.value for s in families["kvevict_blocks_freed"].samples}
+    assert values == {"0": freed[0], "1": freed[1]}
+    assert {s.value for s in families["kvevict_logical_tokens"].samples} == {3 * n for n in freed}
+    assert all(name.startswith("kvevict_") for name in METRIC_NAMES)
+
+
+@pytest.mark.e2e
+def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
+    server = snapkv_server
+    server.wait_idle()
+    time.sleep(0.5)
+    before = scrape(server.url)
+    rng = random.Random()
+    workload = [(rng.choice([1200, 2000, 2900]), rng.randint(20, 90)) for _ in range(3)]
+    expected_freed = expected_events = 0
+    for target, max_tokens in workload:
+        prompt = needle_prompt(tokenizer, rng.randint(10000, 99999), target, rng.random())
+        response = requests.post(
+            server.url + "/v1/completions",
+            json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                  "temperature": 0, "ignore_eos": True},
+            timeout=600,
+        ).json()
+        prompt_len = response["usage"]["prompt_tokens"]
+        freed, events = expected_request(prompt_len, max_tokens)
+        expected_freed += freed
+        expected_events += events
+
+    server.wait_idle()
+    time.sleep(0.5)
+    after = scrape(server.url)
+
+    def delta(name):
+        return total(after, name) - total(before, name)
+
+    assert delta("kvevict_blocks_freed_total") == expected_freed
+    assert delta("kvevict_requests_admitted_total") == len(workload)
+    assert delta("kvevict_requests_admitted_beyond_memory_total") == 0  # end_of_prompt holds it
+    assert delta("kvevict_eviction_events_total") == expected_events
+    # One step per eviction here (requests ran alone), each timed once; every
+    # eviction kept a count for each (layer, KV head).
+    assert delta("kvevict_eviction_seconds_count") == expected_events
+    assert delta("kvevict_eviction_seconds_sum") > 0
+    assert delta("kvevict_head_retained_tokens_count") == expected_events * NUM_LAYERS * NUM_KV_HEADS
+    # Idle: nothing held, nothing retained.
+    for name in ("kvevict_logical_tokens", "kvevict_retained_tokens", "kvevict_blocks_held",
+                 "kvevict_layer_retained_tokens"):
+        assert total(after, name) == 0, name
+    assert total(after, "kvevict_compression_ratio") == 1.0
+    labels = {dict(labels)["model_name"] for _, labels in after}
+    assert labels == {"smollm2"}
+    side = total(after, "kvevict_side_buffer_bytes", rank="0")
+    assert side == server.worker_stats()["side_buffer_bytes"] > 0
+
+
+@pytest.mark.e2e
+def test_occupancy_mid_request(snapkv_server, tokenizer):
+    """While a long request decodes, logical/retained follow the storage rule."""
+    server = snapkv_server
+    server.wait_idle()
+    prompt = needle_prompt(tokenizer, 55555, 2900)
+    with requests.post(
+        server.url + "/v1/completions",
+        json={"model": "smollm2", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+              "ignore_eos": True, "stream": True},
+        stream=True, timeout=600,
+    ) as response:
+        seen = []
+        for i, line in enumerate(response.iter_lines()):
+            # (events 10, 30, ... 150 of 200: the request is still running)
+            if line.startswith(b"data: {") and i % 40 == 20 and i <= 300:
+                time.sleep(0.4)  # past the export throttle
+                samples = scrape(server.url)
+                seen.append((total(samples, "kvevict_logical_tokens"),
+                             total(samples, "kvevict_retained_tokens"),
+                             total(samples, "kvevict_compression_ratio"),
+                             total(samples, "kvevict_blocks_held")))
+    prompt_len = len(tokenizer(prompt).input_ids)
+    assert len(seen) >= 3
+    for logical, retained, ratio, held in seen:
+        assert logical >= prompt_len
+        assert retained == logical - frontier(logical, prompt_len)
+        assert BUDGET <= retained < BUDGET + BLOCK + INTERVAL
+        assert ratio == pytest.approx(logical / retained)
+        # blocks cover [frontier, next step's end); the gauge is set when the
+        # step's block is allocated, just after the token counts
+        expected_held = -(-(logical + 1) // BLOCK) - frontier(logical, prompt_len) // BLOCK
+        assert expected_held - 1 <= held <= expected_held

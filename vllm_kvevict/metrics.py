@@ -1,0 +1,206 @@
+"""The plugin's Prometheus series, and how they reach vLLM's ``/metrics``.
+
+The values live where they are known: block accounting in the engine core's
+:class:`~vllm_kvevict.vllm_glue.spec.EvictionManager`, eviction work in the
+workers. Neither process serves ``/metrics``; the API server does. Two
+transports, picked by the same switch vLLM uses:
+
+* ``--api-server-count > 1``: vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before it
+  starts the engine, so ``prometheus_client`` values in every process are
+  memory-mapped files that each API server's ``MultiProcessCollector``
+  aggregates. The series are plain ``prometheus_client`` metrics.
+* one API server (and offline ``LLM()``): the same metrics live in a private
+  registry per process, whose exposition text is written to a file in
+  ``KVEVICT_METRICS_DIR`` (a temporary directory the first process creates);
+  the API server registers an :class:`ExportedMetricsCollector` that merges
+  those files at scrape time.
+
+Names start with ``kvevict_``: vLLM unregisters every collector whose name
+starts with ``vllm:`` when its stat logger starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import REGISTRY, Collector
+
+METRICS_DIR_ENV = "KVEVICT_METRICS_DIR"
+BASE_LABELS = ("model_name", "engine", "policy")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    kind: str  # gauge | counter | histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+# Scheduler side (engine core): what requests hold.
+ENGINE_METRICS = {
+    "kvevict_logical_tokens": MetricDef(
+        "gauge", "Tokens the running requests have processed (their logical context)."
+    ),
+    "kvevict_retained_tokens": MetricDef(
+        "gauge", "Tokens the running requests keep per KV head after eviction."
+    ),
+    "kvevict_compression_ratio": MetricDef(
+        "gauge", "kvevict_logical_tokens / kvevict_retained_tokens (1 when idle)."
+    ),
+    "kvevict_blocks_held": MetricDef(
+        "gauge", "KV-cache blocks the running requests hold."
+    ),
+    "kvevict_blocks_freed": MetricDef(
+        "counter", "KV-cache blocks returned to vLLM's pool by eviction while requests ran."
+    ),
+    "kvevict_requests_admitted": MetricDef("counter", "Requests admitted (preempted ones again)."),
+    "kvevict_requests_admitted_beyond_memory": MetricDef(
+        "counter",
+        "Requests admitted while their prompt's full KV cache exceeded the free blocks: "
+        "without eviction they would have waited.",
+    ),
+}
+# Worker side: eviction work. Counters and histograms come from rank 0 (every
+# rank applies the same evictions); side buffers from every rank.
+WORKER_METRICS = {
+    "kvevict_eviction_events": MetricDef(
+        "counter", "Evictions applied: a request reaching an eviction point that drops tokens."
+    ),
+    "kvevict_eviction_seconds": MetricDef(
+        "histogram", "Worker time per model step spent evicting (all layers).",
+        buckets=LATENCY_BUCKETS,
+    ),
+    "kvevict_side_buffer_bytes": MetricDef(
+        "gauge", "Bytes of per-request side buffers (positions, query ring) on this rank.",
+        labels=("rank",),
+    ),
+    "kvevict_layer_retained_tokens": MetricDef(
+        "gauge", "Tokens the running requests keep in this layer (mean over its KV heads).",
+        labels=("layer",),
+    ),
+    "kvevict_head_retained_tokens": MetricDef(
+        "histogram", "Tokens one (layer, KV head) keeps after an eviction.",
+        buckets=TOKEN_BUCKETS,
+    ),
+}
+METRIC_DEFS = {**ENGINE_METRICS, **WORKER_METRICS}
+
+
+def _exposed_names(name: str, definition: MetricDef) -> list[str]:
+    if definition.kind == "counter":
+        return [f"{name}_total"]
+    if definition.kind == "histogram":
+        return [f"{name}_bucket", f"{name}_count", f"{name}_sum"]
+    return [name]
+
+
+# Every series name as scraped (counters with _total, histogram parts).
+METRIC_NAMES = sorted(n for name, d in METRIC_DEFS.items() for n in _exposed_names(name, d))
+
+
+def _multiprocess() -> bool:
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+class ProcessMetrics:
+    """The series one process owns (engine core: ENGINE_METRICS; worker: WORKER_METRICS)."""
+
+    def __init__(self, role: str, definitions: dict[str, MetricDef], labels: dict[str, str]):
+        self.role = role
+        self.labels = labels
+        self.registry: CollectorRegistry | None = None if _multiprocess() else CollectorRegistry()
+        self._dir = os.environ.get(METRICS_DIR_ENV)
+        self._last_export = 0.0
+        self._lock = threading.Lock()
+        self.metrics: dict[str, Gauge | Counter | Histogram] = {}
+        for name, definition in definitions.items():
+            names = (*BASE_LABELS, *definition.labels)
+            kwargs = {"registry": self.registry}
+            if definition.kind == "gauge":
+                # mostrecent: one engine core / rank writes each labelled series.
+                metric = Gauge(name, definition.help, names, multiprocess_mode="mostrecent", **kwargs)
+            elif definition.kind == "counter":
+                metric = Counter(name, definition.help, names, **kwargs)
+            else:
+                metric = Histogram(name, definition.help, names, buckets=definition.buckets, **kwargs)
+            self.metrics[name] = metric
+
+    def get(self, name: str, **labels: str):
+        return self.metrics[name].labels(**self.labels, **labels)
+
+    def export(self, force: bool = False) -> None:
+        """Write this process's exposition for the API server (one-API-server mode)."""
+        if self.registry is None or not self._dir:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_export < 0.25:
+            return
+        self._last_export = now
+        text = generate_latest(self.registry)
+        with self._lock:
+            fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(text)
+            os.replace(tmp, os.path.join(self._dir, f"{self.role}.prom"))
+
+
+class ExportedMetricsCollector(Collector):
+    """Serves, at scrape time, the series the engine core and workers exported."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for path in sorted(self.directory.glob("*.prom")):
+            try:
+                text = path.read_text()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name.endswith("_created") or not family.name.startswith("kvevict_"):
+                    continue
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                merged.samples.extend(s for s in family.samples if not s.name.endswith("_created"))
+        yield from families.values()
+
+
+_collector: ExportedMetricsCollector | None = None
+
+
+def install_metrics_export() -> None:
+    """Run in every process by ``register()``: the top process makes the directory.
+
+    The processes vLLM starts (engine core, workers, extra API servers) are
+    multiprocessing children and inherit ``KVEVICT_METRICS_DIR``; a top-level
+    process (``vllm serve``, a program calling ``LLM()``) makes its own, even
+    when it was started by a process that had one, serves the files, and
+    removes the directory at exit.
+    """
+    global _collector
+    if _collector is not None or _multiprocess():
+        return
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None or METRICS_DIR_ENV not in os.environ:
+        directory = tempfile.mkdtemp(prefix="kvevict-metrics-")
+        os.environ[METRICS_DIR_ENV] = directory
+        atexit.register(shutil.rmtree, directory, True)
+        _collector = ExportedMetricsCollector(directory)
+        REGISTRY.register(_collector)
