@@ -167,3 +167,46 @@ def test_occupancy_mid_request(snapkv_server, tokenizer):
         # step's block is allocated, just after the token counts
         expected_held = -(-(logical + 1) // BLOCK) - frontier(logical, prompt_len) // BLOCK
         assert expected_held - 1 <= held <= expected_held
+
+
+@pytest.mark.e2e
+def test_series_with_several_api_servers(model_dir, tokenizer, tmp_path):
+    """--api-server-count 2: vLLM serves metrics from its multiprocess registry;
+    the engine core's and workers' series reach it through the same mmap files
+    as vLLM's own, and either API server reports the same values."""
+    from helpers import VllmServer
+    from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+
+    server = VllmServer(
+        model_dir,
+        ["--kv-eviction", "snapkv", "--kv-eviction-config", '{"budget": 512}',
+         "--api-server-count", "2", "--dtype", "float32", "--max-model-len", "4096",
+         "--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
+         "--enforce-eager", "--kv-cache-memory-bytes", str(160 * DEFAULT_MODEL_BLOCK_BYTES + 4096)],
+        stats_path=tmp_path / "stats.json", log_path=tmp_path / "server.log",
+    )
+    try:
+        server.wait_ready()
+        expected_freed = expected_events = 0
+        for target, max_tokens in ((2900, 70), (1500, 40)):
+            prompt = needle_prompt(tokenizer, random.randint(10000, 99999), target)
+            response = requests.post(
+                server.url + "/v1/completions",
+                json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": True},
+                timeout=600,
+            ).json()
+            freed, events = expected_request(response["usage"]["prompt_tokens"], max_tokens)
+            expected_freed += freed
+            expected_events += events
+        server.wait_idle()
+        time.sleep(1.0)
+        for _ in range(4):  # connections land on either API server
+            samples = scrape(server.url)
+            assert total(samples, "kvevict_blocks_freed_total") == expected_freed
+            assert total(samples, "kvevict_eviction_events_total") == expected_events
+            assert total(samples, "kvevict_requests_admitted_total") == 2
+            assert total(samples, "kvevict_logical_tokens") == 0
+            assert total(samples, "kvevict_side_buffer_bytes") > 0
+    finally:
+        server.stop()

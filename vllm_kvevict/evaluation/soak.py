@@ -42,6 +42,8 @@ class SoakReport:
     aborted: int = 0
     completion_tokens: int = 0
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB)
+    # (t, {process name: MiB}): which process of the tree grows, if one does
+    rss_by_process: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     warmup_s: float = 0.0
     idle_stats: dict = field(default_factory=dict)
     idle_workers: list[dict] = field(default_factory=list)
@@ -55,6 +57,14 @@ class SoakReport:
             return (samples[0], samples[-1]) if samples else (0.0, 0.0)
         quarter = max(1, len(samples) // 4)
         return statistics.median(samples[:quarter]), statistics.median(samples[-quarter:])
+
+    def growth_by_process(self) -> dict[str, float]:
+        """MiB each process gained between the first sample after warm-up and the last."""
+        samples = [usage for t, usage in self.rss_by_process if t >= self.warmup_s]
+        if len(samples) < 2:
+            return {}
+        first, last = samples[0], samples[-1]
+        return {name: last[name] - first[name] for name in last if name in first}
 
     def table(self) -> str:
         start, end = self.rss_after_warmup
@@ -74,6 +84,9 @@ class SoakReport:
             ("NaN attention outputs", str(sum(w.get("nan_outputs", 0) for w in self.idle_workers))),
             ("server RSS after warm-up (MiB)", f"{start:.0f}"),
             ("server RSS at the end (MiB)", f"{end:.0f}"),
+            ("RSS growth per process (MiB)", ", ".join(
+                f"{name} {mib:+.0f}" for name, mib in sorted(self.growth_by_process().items())
+            )),
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"| {'measure'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
@@ -84,20 +97,21 @@ class SoakReport:
         return "\n".join(lines)
 
 
-def process_tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants (API server, engine, workers)."""
+def process_tree_rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of a process and each descendant (API server, engine, workers)."""
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
+        return {}
+    usage: dict[str, float] = {}
     for process in processes:
         try:
-            total += process.memory_info().rss
+            name = f"{process.name()}[{process.pid}]"
+            usage[name] = process.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
-    return total / 2**20
+    return usage
 
 
 class SoakClient:
@@ -205,9 +219,10 @@ def run_soak(
 
     def sample_rss() -> None:
         while not stop_sampling.wait(2.0):
-            report.rss_mib.append(
-                (time.monotonic() - start, process_tree_rss_mib(server.process.pid))
-            )
+            usage = process_tree_rss_mib(server.process.pid)
+            now = time.monotonic() - start
+            report.rss_mib.append((now, sum(usage.values())))
+            report.rss_by_process.append((now, usage))
 
     def client_loop(index: int) -> None:
         client = SoakClient(server, tokenizer, report, seed + index)
@@ -261,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     (workdir / "report.json").write_text(json.dumps({
         "sent": report.sent, "failed": report.failed, "aborted": report.aborted,
-        "rss_mib": report.rss_mib, "idle_stats": report.idle_stats,
+        "rss_mib": report.rss_mib, "rss_by_process": report.rss_by_process,
+        "idle_stats": report.idle_stats,
         "idle_workers": report.idle_workers, "leak": report.leak,
     }, indent=1))
     return 0 if not report.failed and not report.leak else 1
