@@ -99,7 +99,9 @@ def dashboard_queries() -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and the selector of every
     label_values() template query."""
     data = dashboard()
-    queries = [(f"panel {p['id']} target {t['refId']}", t["expr"])
+    # Grafana replaces its range variables before the query reaches Prometheus.
+    queries = [(f"panel {p['id']} target {t['refId']}",
+                re.sub(r"\$(__rate_interval|__interval|__range)\b", "1m", t["expr"]))
                for p in data["panels"] for t in p.get("targets", [])]
     for var in data["templating"]["list"]:
         if var["type"] == "query":
