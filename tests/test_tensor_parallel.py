@@ -83,6 +83,10 @@ def run_engine(model_dirs: dict[str, str], tp: int, prompts: list[list[int]], ou
             SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2),
         )
         generated = time.monotonic()
+        time.sleep(1.0)  # the workers publish once they have seen the requests finish
+        from prometheus_client import REGISTRY, generate_latest
+
+        exposition = generate_latest(REGISTRY).decode()
         llm.llm_engine.engine_core.shutdown()
         del llm
         tokens, gaps = [], []
@@ -97,6 +101,7 @@ def run_engine(model_dirs: dict[str, str], tp: int, prompts: list[list[int]], ou
             "tokens": tokens,
             "top2_gaps": gaps,
             "stats": json.loads(stats_path.read_text()),
+            "metrics": exposition,
             "startup_s": started - start,
             "generate_s": generated - started,
         }
@@ -188,6 +193,42 @@ def test_tp2_tokens_equal_tp1(tp_runs, case):
                 f"{tp1['top2_gaps'][i][first]:.4f}): {ids1[first:first + 8]} vs "
                 f"{ids2[first:first + 8]}"
             )
+
+
+def _kvevict_samples(exposition: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[tuple, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name.startswith("kvevict_"):
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                assert key not in samples, f"series exported twice: {key}"
+                samples[key] = sample.value
+    return samples
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_metrics_at_both_tp(tp_runs, case):
+    """Each rank reports its side buffers; evictions are counted once, as at TP=1."""
+    _, runs = tp_runs
+    by_tp = {tp: _kvevict_samples(runs[tp][case]["metrics"]) for tp in (1, 2)}
+    for tp, samples in by_tp.items():
+        ranks = {dict(labels).get("rank") for name, labels in samples
+                 if name == "kvevict_side_buffer_bytes"}
+        assert ranks == {str(r) for r in range(tp)}, (tp, ranks)
+
+    def value(samples, name):
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    for name in ("kvevict_eviction_events_total", "kvevict_blocks_freed_total"):
+        assert value(by_tp[1], name) == value(by_tp[2], name) > 0, name
+    # Each rank observes its own heads: all of them, or each a replica of one.
+    kv_heads = CASES[case][0]
+    per_rank = max(1, kv_heads // 2)
+    assert value(by_tp[2], "kvevict_head_retained_tokens_count") == (
+        value(by_tp[1], "kvevict_head_retained_tokens_count") * 2 * per_rank // kv_heads
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -39,7 +39,11 @@ from prometheus_client.registry import REGISTRY, Collector
 METRICS_DIR_ENV = "KVEVICT_METRICS_DIR"
 BASE_LABELS = ("model_name", "engine", "policy")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Finer around typical budgets (a head keeps budget .. budget + block - 1 tokens).
+TOKEN_BUCKETS = (
+    32, 64, 128, 192, 256, 288, 320, 384, 512, 544, 576, 640, 768, 1024, 1056, 1088,
+    1280, 1536, 2048, 2080, 2560, 3072, 4096, 4128, 6144, 8192, 16384, 32768,
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ WORKER_METRICS = {
         buckets=LATENCY_BUCKETS,
     ),
     "kvevict_side_buffer_bytes": MetricDef(
-        "gauge", "Bytes of per-request side buffers (positions, query ring) on this rank.",
+        "gauge", "Bytes allocated for per-request side buffers (positions, query ring) on "
+        "this rank; grown on demand, reused, never shrunk.",
         labels=("rank",),
     ),
     "kvevict_layer_retained_tokens": MetricDef(
@@ -93,8 +98,8 @@ WORKER_METRICS = {
         labels=("layer",),
     ),
     "kvevict_head_retained_tokens": MetricDef(
-        "histogram", "Tokens one (layer, KV head) keeps after an eviction.",
-        buckets=TOKEN_BUCKETS,
+        "histogram", "Tokens one (layer, KV head) of this rank keeps after an eviction.",
+        labels=("rank",), buckets=TOKEN_BUCKETS,
     ),
 }
 METRIC_DEFS = {**ENGINE_METRICS, **WORKER_METRICS}
@@ -138,6 +143,10 @@ class ProcessMetrics:
             else:
                 metric = Histogram(name, definition.help, names, buckets=definition.buckets, **kwargs)
             self.metrics[name] = metric
+            if not definition.labels:
+                # Expose 0 from the start: a labelled series that only appears
+                # on its first event reads as "no data", not as zero.
+                self.get(name)
 
     def get(self, name: str, **labels: str):
         return self.metrics[name].labels(**self.labels, **labels)

@@ -221,12 +221,14 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         self.state.poison_freed_blocks = config.poisons_freed_blocks
         rank = _tensor_parallel_rank()
+        # Every rank applies the same evictions: rank 0 alone reports them (a
+        # series exported twice with the same labels would be invalid), each
+        # rank its own side buffers.
         self.state.metrics = ProcessMetrics(
             f"engine{vllm_config.parallel_config.data_parallel_rank}-worker{rank}",
-            WORKER_METRICS,
+            {k: v for k, v in WORKER_METRICS.items() if rank == 0 or "rank" in v.labels},
             metric_labels(vllm_config, config),
         )
-        # Every rank applies the same evictions: rank 0 counts them.
         self.state.counts_evictions = rank == 0
         self.state.publish_side_buffers(str(rank))
         stats_path = os.environ.get(STATS_PATH_ENV)

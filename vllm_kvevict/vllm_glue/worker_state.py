@@ -133,8 +133,8 @@ class WorkerEvictionState:
         metrics.export()
 
     def observe_head_retained(self, num_keep: int, num_heads: int) -> None:
-        if self.metrics is not None and self.counts_evictions:
-            histogram = self.metrics.get("kvevict_head_retained_tokens")
+        if self.metrics is not None:
+            histogram = self.metrics.get("kvevict_head_retained_tokens", rank=self._rank_label)
             for _ in range(num_heads):
                 histogram.observe(num_keep)
 
