@@ -65,6 +65,24 @@ def expected_request(prompt_len: int, max_tokens: int) -> tuple[int, int]:
     return freed, events
 
 
+def run_known_workload(server, tokenizer, workload, rng) -> tuple[int, int]:
+    """Send (prompt tokens, max_tokens) requests one at a time; return the
+    expected (blocks freed, eviction events) summed over them."""
+    expected_freed = expected_events = 0
+    for target, max_tokens in workload:
+        prompt = needle_prompt(tokenizer, rng.randint(10000, 99999), target, rng.random())
+        response = requests.post(
+            server.url + "/v1/completions",
+            json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                  "temperature": 0, "ignore_eos": True},
+            timeout=600,
+        ).json()
+        freed, events = expected_request(response["usage"]["prompt_tokens"], max_tokens)
+        expected_freed += freed
+        expected_events += events
+    return expected_freed, expected_events
+
+
 def test_exported_files_merge_into_one_family_per_name(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEVICT_METRICS_DIR", str(tmp_path))
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
@@ -93,19 +111,7 @@ def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
     before = scrape(server.url)
     rng = random.Random()
     workload = [(rng.choice([1200, 2000, 2900]), rng.randint(20, 90)) for _ in range(3)]
-    expected_freed = expected_events = 0
-    for target, max_tokens in workload:
-        prompt = needle_prompt(tokenizer, rng.randint(10000, 99999), target, rng.random())
-        response = requests.post(
-            server.url + "/v1/completions",
-            json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
-                  "temperature": 0, "ignore_eos": True},
-            timeout=600,
-        ).json()
-        prompt_len = response["usage"]["prompt_tokens"]
-        freed, events = expected_request(prompt_len, max_tokens)
-        expected_freed += freed
-        expected_events += events
+    expected_freed, expected_events = run_known_workload(server, tokenizer, workload, rng)
 
     server.wait_idle()
     time.sleep(0.5)
@@ -142,14 +148,15 @@ def test_occupancy_mid_request(snapkv_server, tokenizer):
     prompt = needle_prompt(tokenizer, 55555, 2900)
     with requests.post(
         server.url + "/v1/completions",
-        json={"model": "smollm2", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+        json={"model": "smollm2", "prompt": prompt, "max_tokens": 400, "temperature": 0,
               "ignore_eos": True, "stream": True},
         stream=True, timeout=600,
     ) as response:
         seen = []
         for i, line in enumerate(response.iter_lines()):
-            # (events 10, 30, ... 150 of 200: the request is still running)
-            if line.startswith(b"data: {") and i % 40 == 20 and i <= 300:
+            # Events 10, 30, 50, 70 of 400: the request is still running even
+            # though each scrape makes this reader fall further behind the server.
+            if line.startswith(b"data: {") and i % 40 == 20 and i <= 140:
                 time.sleep(0.4)  # past the export throttle
                 samples = scrape(server.url)
                 seen.append((total(samples, "kvevict_logical_tokens"),
@@ -159,7 +166,7 @@ def test_occupancy_mid_request(snapkv_server, tokenizer):
     prompt_len = len(tokenizer(prompt).input_ids)
     assert len(seen) >= 3
     for logical, retained, ratio, held in seen:
-        assert logical >= prompt_len
+        assert logical >= prompt_len, seen
         assert retained == logical - frontier(logical, prompt_len)
         assert BUDGET <= retained < BUDGET + BLOCK + INTERVAL
         assert ratio == pytest.approx(logical / retained)
@@ -187,18 +194,9 @@ def test_series_with_several_api_servers(model_dir, tokenizer, tmp_path):
     )
     try:
         server.wait_ready()
-        expected_freed = expected_events = 0
-        for target, max_tokens in ((2900, 70), (1500, 40)):
-            prompt = needle_prompt(tokenizer, random.randint(10000, 99999), target)
-            response = requests.post(
-                server.url + "/v1/completions",
-                json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": 0, "ignore_eos": True},
-                timeout=600,
-            ).json()
-            freed, events = expected_request(response["usage"]["prompt_tokens"], max_tokens)
-            expected_freed += freed
-            expected_events += events
+        expected_freed, expected_events = run_known_workload(
+            server, tokenizer, [(2900, 70), (1500, 40)], random.Random()
+        )
         server.wait_idle()
         time.sleep(1.0)
         for _ in range(4):  # connections land on either API server
