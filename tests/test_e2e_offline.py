@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from helpers import needle_prompt
+from helpers import kvevict_samples, needle_prompt
 from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
 
 pytestmark = pytest.mark.e2e
@@ -68,12 +68,9 @@ def test_prompt_longer_than_kv_pool_is_served(streaming_llm, tokenizer):
 def _exported(name: str) -> float:
     """A kvevict_ series as this process's Prometheus registry serves it."""
     from prometheus_client import REGISTRY, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
 
-    text = generate_latest(REGISTRY).decode()
-    return sum(
-        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
-    )
+    samples = kvevict_samples(generate_latest(REGISTRY).decode())
+    return sum(value for (sample, _), value in samples.items() if sample == name)
 
 
 def test_snapkv_finds_needle_streamingllm_does_not(streaming_llm, snapkv_server, tokenizer):

@@ -13,9 +13,7 @@ import time
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
-
-from helpers import needle_prompt
+from helpers import kvevict_samples, needle_prompt
 from vllm_kvevict.metrics import METRIC_NAMES, ENGINE_METRICS, ExportedMetricsCollector, ProcessMetrics
 
 BUDGET, BLOCK, INTERVAL = 512, 32, 32
@@ -24,13 +22,7 @@ NUM_LAYERS, NUM_KV_HEADS = 30, 3
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """All kvevict_ samples of /metrics, keyed by (name, sorted labels)."""
-    text = requests.get(url + "/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("kvevict_"):
-                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+    return kvevict_samples(requests.get(url + "/metrics", timeout=10).text)
 
 
 def total(samples: dict, name: str, **where: str) -> float:

@@ -9,76 +9,37 @@ the server's /metrics says, beside vLLM's own series.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from helpers import free_port, needle_prompt
+from helpers import needle_prompt
+from vllm_kvevict.evaluation.prometheus import PrometheusServer, prometheus_binary
 
 pytestmark = pytest.mark.e2e
 
 
-def _prometheus_binary() -> str | None:
-    local = Path(sys.executable).with_name("prometheus")
-    return str(local) if local.exists() else shutil.which("prometheus")
-
-
 @pytest.fixture(scope="module")
 def prometheus(snapkv_server, tmp_path_factory):
-    binary = _prometheus_binary()
+    binary = prometheus_binary()
     if binary is None:
         if os.environ.get("KVEVICT_REQUIRE_DEPLOY_TOOLS"):
             pytest.fail("prometheus not found: run scripts/install_deploy_tools.sh")
         pytest.skip("prometheus not installed (scripts/install_deploy_tools.sh)")
-    work = tmp_path_factory.mktemp("prometheus")
-    target = snapkv_server.url.removeprefix("http://")
-    (work / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: vllm\n    metrics_path: /metrics\n"
-        f"    static_configs:\n      - targets: ['{target}']\n"
+    server = PrometheusServer(
+        binary, snapkv_server.url.removeprefix("http://"),
+        tmp_path_factory.mktemp("prometheus"), scrape_interval=1,
     )
-    port = free_port()
-    log = open(work / "prometheus.log", "w")
-    process = subprocess.Popen(
-        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("prometheus did not become ready:\n" + (work / "prometheus.log").read_text())
-        yield url
+        server.wait_ready()
+        yield server
     finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
-def query(url: str, expr: str) -> list[dict]:
-    response = requests.get(url + "/api/v1/query", params={"query": expr}, timeout=10).json()
-    assert response["status"] == "success", response
-    return response["data"]["result"]
-
-
-def served_value(server_url: str, name: str) -> float:
-    for line in requests.get(server_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+def query(prometheus: PrometheusServer, expr: str) -> list[dict]:
+    return prometheus.api("query", query=expr)["result"]
 
 
 def test_prometheus_reads_the_plugin_series(snapkv_server, prometheus, tokenizer):
@@ -92,7 +53,7 @@ def test_prometheus_reads_the_plugin_series(snapkv_server, prometheus, tokenizer
         ).raise_for_status()
     server.wait_idle()
     time.sleep(1.0)
-    expected = served_value(server.url, "kvevict_blocks_freed_total")
+    expected = server.metric("kvevict_blocks_freed_total")
     assert expected > 0
 
     deadline = time.monotonic() + 30

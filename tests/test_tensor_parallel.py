@@ -195,24 +195,13 @@ def test_tp2_tokens_equal_tp1(tp_runs, case):
             )
 
 
-def _kvevict_samples(exposition: str) -> dict[tuple, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[tuple, float] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name.startswith("kvevict_"):
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                assert key not in samples, f"series exported twice: {key}"
-                samples[key] = sample.value
-    return samples
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_metrics_at_both_tp(tp_runs, case):
     """Each rank reports its side buffers; evictions are counted once, as at TP=1."""
+    from helpers import kvevict_samples  # not at the top: this file also runs as a script
+
     _, runs = tp_runs
-    by_tp = {tp: _kvevict_samples(runs[tp][case]["metrics"]) for tp in (1, 2)}
+    by_tp = {tp: kvevict_samples(runs[tp][case]["metrics"]) for tp in (1, 2)}
     for tp, samples in by_tp.items():
         ranks = {dict(labels).get("rank") for name, labels in samples
                  if name == "kvevict_side_buffer_bytes"}

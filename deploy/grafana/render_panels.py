@@ -25,87 +25,19 @@ import json
 import math
 import re
 import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-import requests
+
+from vllm_kvevict.evaluation.prometheus import PrometheusServer, prometheus_binary
 
 DASHBOARD = Path(__file__).resolve().with_name("vllm-kvevict-dashboard.json")
 GRID_COLUMNS = 24
 
 
-# --------------------------------------------------------------------------- Prometheus
-
-
-def prometheus_binary() -> str | None:
-    local = Path(sys.executable).with_name("prometheus")
-    return str(local) if local.exists() else shutil.which("prometheus")
-
-
-class Prometheus:
-    """A Prometheus server on loopback scraping one target (as tests/test_prometheus_scrape.py)."""
-
-    def __init__(self, binary: str, target: str, workdir: Path, scrape_interval: float) -> None:
-        from vllm_kvevict.evaluation.server import free_port
-
-        workdir.mkdir(parents=True, exist_ok=True)
-        interval = f"{scrape_interval:g}s"
-        (workdir / "prometheus.yml").write_text(
-            f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
-            "scrape_configs:\n  - job_name: vllm\n    metrics_path: /metrics\n"
-            f"    static_configs:\n      - targets: ['{target}']\n"
-        )
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = workdir / "prometheus.log"
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [binary, f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                if requests.get(self.url + "/-/ready", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("prometheus did not become ready:\n" + self.log_path.read_text())
-
-    def api(self, path: str, **params) -> dict | list:
-        response = requests.get(self.url + "/api/v1/" + path, params=params, timeout=60)
-        body = response.json()
-        if body.get("status") != "success":
-            raise RuntimeError(f"{path} {params}: {body}")
-        return body["data"]
-
-    def wait_for(self, expr: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.api("query", query=expr)["result"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prometheus has no {expr} after {timeout}s")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
 
 
 # --------------------------------------------------------------------------- Grafana templating
@@ -138,7 +70,7 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
     )
 
 
-def resolve_variables(prom: Prometheus, dashboard: dict, start: float, end: float,
+def resolve_variables(prom: PrometheusServer, dashboard: dict, start: float, end: float,
                       step: float, scrape: float) -> dict[str, str]:
     """Grafana's built-in interval variables, and the dashboard's query variables.
 
@@ -182,7 +114,7 @@ def bare_legend(template: str | None) -> str:
     return re.sub(r"\s*-?\s*\w?\{\{\s*\w+\s*\}\}", "", template or "").strip() or "(series)"
 
 
-def query_panels(prom: Prometheus, dashboard: dict, start: float, end: float, step: float,
+def query_panels(prom: PrometheusServer, dashboard: dict, start: float, end: float, step: float,
                  variables: dict[str, str]) -> list[dict]:
     """Every non-row panel with each target's query_range result."""
     panels = []
@@ -535,7 +467,7 @@ def record(args: argparse.Namespace, command: str) -> dict:
     try:
         server.wait_ready(timeout=900)
         print(f"vllm serve ready at {server.url}", flush=True)
-        prom = Prometheus(binary, server.url.removeprefix("http://"), workdir / "prometheus",
+        prom = PrometheusServer(binary, server.url.removeprefix("http://"), workdir / "prometheus",
                           args.scrape_interval)
         prom.wait_ready()
         prom.wait_for('vllm:num_requests_running{job="vllm"}')

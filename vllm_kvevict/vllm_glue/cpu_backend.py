@@ -170,6 +170,8 @@ class EvictionStepPlan:
     schedule: EvictionSchedule
     state: WorkerEvictionState
     layer_index: dict[str, int]
+    kv_head_replicas: int  # ranks holding a copy of each of this rank's KV heads
+    first_replica_rank: int
     page_layout: PageLayout
     block_table: torch.Tensor  # unshifted, [num_reqs, max_blocks]
     query_start: list[int]
@@ -220,7 +222,12 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             device=device,
         )
         self.state.poison_freed_blocks = config.poisons_freed_blocks
-        rank = _tensor_parallel_rank()
+        rank, world_size = _tensor_parallel_layout()
+        # With more ranks than KV heads vLLM replicates each KV head on
+        # consecutive ranks (see _whole_query_group); fixed for the worker's life.
+        total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.kv_head_replicas = max(1, world_size // total_kv_heads)
+        self.first_replica_rank = rank // self.kv_head_replicas * self.kv_head_replicas
         # Every rank applies the same evictions: rank 0 alone reports them (a
         # series exported twice with the same labels would be invalid), each
         # rank its own side buffers.
@@ -312,9 +319,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         # frontier's block and shorten the sequence accordingly.
         frontier = torch.tensor(frontier_before, dtype=cm.seq_lens.dtype)
         table = cm.block_table_tensor
-        width = table.shape[1]
-        columns = torch.arange(width)[None, :] + (frontier // bs)[:, None].to(torch.int64)
-        shifted_table = table.gather(1, columns.clamp_(max=width - 1).to(table.device))
+        shifted_table = shift_block_table(table, frontier // bs)
         shifted_lens = cm.seq_lens - frontier.to(cm.seq_lens.device)
         shifted = dataclasses.replace(
             cm,
@@ -329,6 +334,8 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             schedule=schedule,
             state=self.state,
             layer_index=self.layer_index,
+            kv_head_replicas=self.kv_head_replicas,
+            first_replica_rank=self.first_replica_rank,
             page_layout=self.page_layout,
             block_table=table,
             query_start=query_start,
@@ -355,8 +362,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         """Kernel metadata for one request's tokens ``[start, end)`` over ``[frontier, end)``."""
         num_tokens, length = end - start, end - frontier
         row = cm.block_table_tensor[batch_index : batch_index + 1]
-        width = row.shape[1]
-        columns = (torch.arange(width) + frontier // self.block_size).clamp_(max=width - 1)
+        first_block = torch.tensor([frontier // self.block_size])
         query_start_loc = torch.tensor([0, num_tokens], dtype=cm.query_start_loc.dtype)
         segment = CommonAttentionMetadata(
             query_start_loc=query_start_loc.to(cm.query_start_loc.device),
@@ -366,19 +372,33 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             num_actual_tokens=num_tokens,
             max_query_len=num_tokens,
             max_seq_len=length,
-            block_table_tensor=row[:, columns.to(row.device)],
+            block_table_tensor=shift_block_table(row, first_block),
             slot_mapping=cm.slot_mapping[first_token : first_token + num_tokens],
         )
         return super().build(0, segment)
 
 
-def _tensor_parallel_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def shift_block_table(table: torch.Tensor, first_blocks: torch.Tensor) -> torch.Tensor:
+    """Rows of ``table`` starting at their ``first_blocks`` column (the frontier's block).
+
+    Columns past the end repeat the last one; the kernel never reads them.
+    """
+    width = table.shape[1]
+    columns = torch.arange(width)[None, :] + first_blocks.to(torch.int64)[:, None]
+    return table.gather(1, columns.clamp_(max=width - 1).to(table.device))
+
+
+def _tensor_parallel_layout() -> tuple[int, int]:
+    """(rank, world size) of tensor parallelism; (0, 1) outside a worker."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
 
     try:
-        return get_tensor_model_parallel_rank()
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except (AssertionError, RuntimeError):  # no model-parallel group (unit use)
-        return 0
+        return 0, 1
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,17 +477,34 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         value_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        bs = plan.schedule.block_size
         for i, seq_len in enumerate(plan.seq_lens):
-            start, end = plan.query_start[i], plan.query_start[i + 1]
-            frontier = plan.frontier_before[i]
-            block_ids = plan.block_table[i, frontier // bs : cdiv(seq_len, bs)]
-            length = seq_len - frontier
-            keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
-            values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
-            output[start:end] = region_attention_reference(
-                query[start:end], keys, values, frontier, self.scale
-            ).to(output.dtype)
+            tokens = slice(plan.query_start[i], plan.query_start[i + 1])
+            self._region_attention(
+                plan, i, tokens, plan.frontier_before[i], seq_len, query, key_cache,
+                value_cache, output,
+            )
+
+    def _region_attention(
+        self,
+        plan: EvictionStepPlan,
+        batch_index: int,
+        tokens: slice,
+        region_start: int,
+        region_end: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Torch reference: ``tokens`` (the last of the region) over slots ``[start, end)``."""
+        bs = plan.schedule.block_size
+        block_ids = plan.block_table[batch_index, region_start // bs : cdiv(region_end, bs)]
+        length = region_end - region_start
+        keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
+        values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
+        output[tokens] = region_attention_reference(
+            query[tokens], keys, values, region_start, self.scale
+        ).to(output.dtype)
 
     def _clear_slots(
         self,
@@ -509,14 +546,10 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 ev.segment_metadata, output[tokens],
             )
             return
-        bs = plan.schedule.block_size
-        block_ids = plan.block_table[ev.batch_index, ev.frontier_after // bs : cdiv(ev.segment_end, bs)]
-        length = ev.segment_end - ev.frontier_after
-        keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
-        values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
-        output[tokens] = region_attention_reference(
-            query[tokens], keys, values, ev.frontier_after, self.scale
-        ).to(output.dtype)
+        self._region_attention(
+            plan, ev.batch_index, tokens, ev.frontier_after, ev.segment_end, query, key_cache,
+            value_cache, output,
+        )
 
     def _evict(
         self,
@@ -604,10 +637,15 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
         fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
         gathered[~from_ring] = query[fresh]
-        return _whole_query_group(gathered.transpose(0, 1)), positions
+        queries = gathered.transpose(0, 1)
+        if plan.kv_head_replicas > 1:
+            queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
+        return queries, positions
 
 
-def _whole_query_group(queries: torch.Tensor) -> torch.Tensor:
+def _whole_query_group(
+    queries: torch.Tensor, replicas: int, first_replica_rank: int
+) -> torch.Tensor:
     """This rank's observation queries, ``[Hq_local, W, D]``, completed to every
     query head that shares its KV head.
 
@@ -620,24 +658,8 @@ def _whole_query_group(queries: torch.Tensor) -> torch.Tensor:
     same order (they follow from the scheduler's output), so the collective
     cannot deadlock.
     """
-    from vllm.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-        get_tp_group,
-    )
+    from vllm.distributed import get_tp_group
 
-    try:
-        tp = get_tensor_model_parallel_world_size()
-    except (AssertionError, RuntimeError):  # no model-parallel group (unit use)
-        return queries
-    vllm_config = worker_vllm_config()
-    if tp == 1 or vllm_config is None:
-        return queries
-    total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    if tp <= total_kv_heads:
-        return queries
-    replicas = tp // total_kv_heads
     gathered = get_tp_group().all_gather(queries.contiguous(), dim=0)  # [Hq_total, W, D]
-    first = get_tensor_model_parallel_rank() // replicas * replicas
     local = queries.shape[0]
-    return gathered[first * local : (first + replicas) * local]
+    return gathered[first_replica_rank * local : (first_replica_rank + replicas) * local]
