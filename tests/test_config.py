@@ -31,6 +31,10 @@ FIELDS = [
     "policy_options",
     "poison_freed_blocks",
     "cpu_attention",
+    "head_budget",
+    "head_budget_floor",
+    "moment_correction",
+    "storage",
 ]
 POLICY_NAMES = ["snapkv", "streamingllm"]
 
@@ -47,6 +51,10 @@ SETTINGS = {
     "policy_options": {"kernel_size": 5, "pooling": "avg"},
     "poison_freed_blocks": True,
     "cpu_attention": "torch",
+    "head_budget": "adaptive",
+    "head_budget_floor": 0.3,
+    "moment_correction": True,
+    "storage": "head_pages",
 }
 YAML_TEXT = """\
 policy: snapkv
@@ -63,6 +71,10 @@ policy_options:
   pooling: avg
 poison_freed_blocks: true
 cpu_attention: torch
+head_budget: adaptive
+head_budget_floor: 0.3
+moment_correction: true
+storage: head_pages
 """
 
 
@@ -113,6 +125,10 @@ def test_defaults_and_no_flags():
         "policy_options": {},
         "poison_freed_blocks": False,
         "cpu_attention": "native",
+        "head_budget": "uniform",
+        "head_budget_floor": 0.2,
+        "moment_correction": False,
+        "storage": None,
     }
 
 
@@ -335,3 +351,22 @@ def test_shipped_configs_load(path):
         for key, value in data.items():
             if key != "policy":
                 assert getattr(config, key) == value
+
+
+def test_head_pages_storage_resolution():
+    base = {"policy": "snapkv", "budget": 512}
+    assert not build_config(base).uses_head_pages
+    assert build_config({**base, "head_budget": "adaptive"}).uses_head_pages
+    assert build_config({**base, "moment_correction": True}).uses_head_pages
+    assert build_config({**base, "storage": "head_pages"}).uses_head_pages
+    with pytest.raises(KVEvictionConfigError, match="need storage 'head_pages'; drop storage 'slots'"):
+        build_config({**base, "storage": "slots", "head_budget": "adaptive"})
+    with pytest.raises(KVEvictionConfigError, match="head_budget_floor"):
+        build_config({**base, "head_budget_floor": 1.5})
+
+
+def test_head_pages_budget_must_hold_protected_tokens_in_whole_blocks():
+    config = build_config({"policy": "snapkv", "budget": 40, "head_budget": "adaptive"})
+    with pytest.raises(KVEvictionConfigError, match="raise budget to at least 64"):
+        config.check_block_size(32)
+    config.check_block_size(8)  # 40 is whole blocks of 8 and holds 4 + 32

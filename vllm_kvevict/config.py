@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
+from vllm_kvevict.policies.allocation import AdaKVAllocation, HeadAllocation, UniformAllocation
 from vllm_kvevict.schedule import EvictionSchedule
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -78,8 +79,34 @@ class EvictionConfig(BaseModel):
     )
     cpu_attention: Literal["native", "torch"] = Field(
         "native",
-        description="CPU attention over the retained tokens: 'native' runs vLLM's "
-        "C++ kernel on a shifted block table, 'torch' the reference implementation",
+        description="CPU attention over the retained tokens: 'native' runs a C++ kernel "
+        "(vLLM's on a shifted block table with slots storage, ours over per-head page "
+        "tables), 'torch' the reference implementation",
+    )
+    head_budget: Literal["uniform", "adaptive"] = Field(
+        "uniform",
+        description="how a layer's retained tokens are split across its KV heads: "
+        "uniform (every head keeps budget tokens) or adaptive (AdaKV: the layer keeps "
+        "budget x KV heads tokens, the highest-scoring across its heads, each head at "
+        "least head_budget_floor of an equal share; needs storage head_pages)",
+    )
+    head_budget_floor: float = Field(
+        0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
+    )
+    moment_correction: bool = Field(
+        False,
+        description="MomentKV correction: fold every evicted token into per-(layer, KV "
+        "head) moment statistics (count, means, value-key covariance; fp32, "
+        "(1 + 2D + D^2) x 4 bytes per head) and add their closed-form contribution "
+        "to every attention output (needs storage head_pages)",
+    )
+    storage: Literal["slots", "head_pages"] | None = Field(
+        None,
+        description="where retained tokens live: slots (each head in its own slots of "
+        "the request's live blocks, read by vLLM's kernel) or head_pages (per-(layer, KV "
+        "head) page tables over the head-pages of the request's blocks, so heads keep "
+        "different numbers of tokens); default head_pages when head_budget is adaptive "
+        "or moment_correction is on, else slots",
     )
 
     @model_validator(mode="before")
@@ -105,8 +132,43 @@ class EvictionConfig(BaseModel):
                 f"recent_window ({self.recent_window}); raise budget to at least "
                 f"{self.sink_tokens + self.recent_window} or shrink the window"
             )
+        if self.storage == "slots" and self.needs_head_pages:
+            raise ValueError(
+                "head_budget 'adaptive' and moment_correction need storage 'head_pages'; "
+                "drop storage 'slots'"
+            )
         make_policy(self.policy, self.policy_options)
         return self
+
+    @property
+    def needs_head_pages(self) -> bool:
+        return self.head_budget != "uniform" or self.moment_correction
+
+    @property
+    def uses_head_pages(self) -> bool:
+        if self.storage is None:
+            return self.needs_head_pages
+        return self.storage == "head_pages"
+
+    def build_allocation(self) -> HeadAllocation:
+        if self.head_budget == "adaptive":
+            return AdaKVAllocation(self.head_budget_floor)
+        return UniformAllocation()
+
+    def check_block_size(self, block_size: int) -> None:
+        """head_pages storage keeps whole blocks' worth of pages per head: the
+        smallest capacity after an eviction is ``budget`` rounded down to blocks."""
+        if not self.uses_head_pages:
+            return
+        capacity = self.budget // block_size * block_size
+        if capacity < max(self.sink_tokens + self.recent_window, 1):
+            raise KVEvictionConfigError(
+                f"with storage head_pages a head keeps whole blocks of {block_size} "
+                f"tokens, and budget {self.budget} rounds down to {capacity}, which cannot "
+                f"hold sink_tokens + recent_window ({self.sink_tokens + self.recent_window}); "
+                f"raise budget to at least "
+                f"{max(-(-(self.sink_tokens + self.recent_window) // block_size), 1) * block_size}"
+            )
 
     def schedule(self, block_size: int, default_prefill_interval: int) -> EvictionSchedule:
         """The schedule; ``default_prefill_interval`` applies when none is set."""

@@ -60,6 +60,29 @@ class EvictionPolicy(ABC):
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         """Importance of each live token, shape ``[H, S]``."""
 
+    def masked_scores(
+        self,
+        inputs: ScoringInputs,
+        num_sink: int,
+        num_recent: int,
+        point: int,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`score` with the tokens that must stay at ``+inf``: the first
+        ``num_sink`` of the sequence and the ``num_recent`` before ``point``.
+
+        ``live [H, S]`` (bool) marks real tokens when heads hold different
+        numbers of them (per-head page tables pad the shorter ones); padding
+        scores ``-inf`` and is never kept.
+        """
+        scores = self.score(inputs).float()
+        positions = inputs.key_positions
+        protected = (positions < num_sink) | (positions >= point - num_recent)
+        scores = scores.masked_fill(protected, float("inf"))
+        if live is not None:
+            scores = scores.masked_fill(~live, float("-inf"))
+        return scores
+
     def select(
         self,
         inputs: ScoringInputs,
@@ -81,10 +104,7 @@ class EvictionPolicy(ABC):
                 .unsqueeze(0)
                 .expand(num_heads, num_live)
             )
-        scores = self.score(inputs).float()
-        positions = inputs.key_positions
-        protected = (positions < num_sink) | (positions >= point - num_recent)
-        scores = scores.masked_fill(protected, float("inf"))
+        scores = self.masked_scores(inputs, num_sink, num_recent, point)
         # A stable sort breaks ties (common after SnapKV's max pooling) by slot
         # order, so every implementation keeps the same tokens; topk's
         # tie-breaking is unspecified.

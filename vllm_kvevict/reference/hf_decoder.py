@@ -2,7 +2,10 @@
 
 It is the oracle the vLLM plugin's greedy output is compared against, token
 for token. It shares exactly two things with the plugin: the policy code
-(:meth:`EvictionPolicy.select`) and the schedule (:class:`EvictionSchedule`).
+(:meth:`EvictionPolicy.select`, and with ``head_pages`` storage the head
+allocation of :mod:`vllm_kvevict.policies.allocation`) and the schedule
+(:class:`EvictionSchedule`). The MomentKV correction is computed here from the
+evicted tokens themselves, with the paper's uncentred formulas in fp64.
 Everything else -- storage, attention, query history -- is written here from
 scratch on plain per-layer tensors so that a bug in the plugin's paged storage
 or kernels cannot hide in the oracle too.
@@ -25,8 +28,12 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.policies.allocation import round_to_pages, select_top
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
+
+# Position of padding in head_pages mode: later than any query.
+PADDING_POSITION = 1 << 40
 
 
 @dataclass
@@ -42,6 +49,14 @@ class _LayerStore:
     positions: torch.Tensor | None = None  # [H, S] int64, sorted per head
     query_history: torch.Tensor | None = None  # [Hq, t, D] post-RoPE
     query_positions: torch.Tensor | None = None  # [t] int64, sorted
+    # head_pages storage: heads hold different numbers of tokens; shorter heads
+    # are padded with PADDING_POSITION (after every query, so never attended).
+    # The evicted tokens of each head, for the MomentKV correction.
+    evicted_keys: list[torch.Tensor] | None = None  # per head [E_h, D] fp64
+    evicted_values: list[torch.Tensor] | None = None
+    # Per head (n, k_bar, v_bar, S_tilde) of the evicted tokens, recomputed
+    # from them after each eviction (paper Eqs. 22-24, uncentred, fp64).
+    moments: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +228,10 @@ class ReferenceEvictingDecoder:
         store.query_history = _cat(store.query_history, q, dim=1)
         store.query_positions = _cat(store.query_positions, step_pos, dim=0)
 
-        out = self._attend(q, store, step_pos, scale)
+        if self.config is not None and self.config.moment_correction:
+            out = self._attend_corrected(q, store, step_pos, scale)
+        else:
+            out = self._attend(q, store, step_pos, scale)
 
         if self.config is not None:
             self._evict(store, step, scale)
@@ -246,6 +264,35 @@ class ReferenceEvictingDecoder:
         probs = torch.softmax(logits, dim=-1)
         return torch.matmul(probs, v)
 
+    @staticmethod
+    def _attend_corrected(
+        q: torch.Tensor, store: _LayerStore, q_pos: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention plus MomentKV's closed-form contribution of each head's
+        evicted tokens (Eqs. 9, 11, 12 of the paper, from raw sums in fp64)."""
+        assert store.keys is not None and store.values is not None and store.positions is not None
+        num_q_heads = q.shape[0]
+        num_kv_heads = store.keys.shape[0]
+        group = num_q_heads // num_kv_heads
+        out = torch.empty(num_q_heads, q.shape[1], q.shape[2], dtype=torch.float64)
+        for j in range(num_q_heads):
+            h = j // group
+            qj = q[j].double()  # [T, D]
+            logits = qj @ store.keys[h].double().T * scale  # [T, S]
+            future = store.positions[h][None, :] > q_pos[:, None]
+            logits = logits.masked_fill(future, float("-inf"))
+            weights = torch.exp(logits)  # unnormalised: Z_R = sum
+            z_r = weights.sum(-1, keepdim=True)
+            numerator = weights @ store.values[h].double()  # Z_R * f_R
+            if store.moments is not None and store.moments[h][0]:
+                n_e, k_bar, v_bar, s_tilde = store.moments[h]
+                z_e = n_e * torch.exp(scale * (qj @ k_bar))[:, None]  # Jensen bound, Eq. 11
+                f_e = v_bar[None, :] + scale * (qj @ s_tilde.T) / n_e  # Eq. 9
+                numerator = numerator + z_e * f_e
+                z_r = z_r + z_e
+            out[j] = numerator / z_r
+        return out.float()
+
     # ---------------------------------------------------------------- eviction
 
     def _evict(self, store: _LayerStore, step: _Step, scale: float) -> None:
@@ -262,6 +309,11 @@ class ReferenceEvictingDecoder:
             raise AssertionError(f"step {step} crosses eviction points {points}")
         point = points[0]
         frontier = self.schedule.frontier_at_point(point)
+        if self.config.uses_head_pages:
+            frontier_before = self.schedule.frontier(step.n_before, step.prompt_len)
+            if frontier > frontier_before:
+                self._evict_head_pages(store, point, frontier, scale)
+            return
         num_keep = point - frontier
 
         # Positions are sorted per head (appended in order, and kept indices
@@ -298,3 +350,66 @@ class ReferenceEvictingDecoder:
         store.keys = keep(store.keys)
         store.values = keep(store.values)
         store.positions = keep(store.positions)
+
+    def _evict_head_pages(
+        self, store: _LayerStore, point: int, frontier: int, scale: float
+    ) -> None:
+        """head_pages storage: the layer keeps ``H * (point // bs - frontier // bs)``
+        whole pages of tokens, split across heads by the allocation."""
+        assert self.config is not None and self.policy is not None
+        assert store.keys is not None and store.values is not None and store.positions is not None
+        assert store.query_history is not None and store.query_positions is not None
+        bs = self.block_size
+        num_heads, _, head_dim = store.keys.shape
+        # Steps end at the point, so every stored token is a candidate.
+        order = torch.sort(store.positions, dim=-1, stable=True).indices
+        live = torch.gather(store.positions, 1, order) < PADDING_POSITION
+        width = int(live.sum(-1).max())
+        order, live = order[:, :width], live[:, :width]
+
+        def take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return torch.gather(t, 1, index if t.dim() == 2 else index[..., None].expand(-1, -1, t.shape[-1]))
+
+        keys, values, positions = (take(t, order) for t in (store.keys, store.values, store.positions))
+        window = self.config.observation_window
+        obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
+        needs_q = self.policy.needs_queries
+        inputs = ScoringInputs(
+            keys=keys, values=values, key_positions=positions,
+            queries=store.query_history[:, obs] if needs_q else None,
+            query_positions=store.query_positions[obs] if needs_q else None,
+            scale=scale,
+        )
+        scores = self.policy.masked_scores(
+            inputs, self.config.sink_tokens, self.config.recent_window, point, live
+        )
+        total_pages = num_heads * (point // bs - frontier // bs)
+        counts = round_to_pages(
+            self.config.build_allocation().token_counts(scores, total_pages * bs),
+            live.sum(-1), (scores == float("inf")).sum(-1), total_pages, bs,
+        )
+        kept = select_top(scores, counts)  # [H, K] padded with -1
+        if store.evicted_keys is None:
+            store.evicted_keys = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads
+            store.evicted_values = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads
+        assert store.evicted_values is not None
+        width = kept.shape[1]
+        new_keys = keys.new_zeros(num_heads, width, head_dim)
+        new_values = values.new_zeros(num_heads, width, head_dim)
+        new_positions = torch.full((num_heads, width), PADDING_POSITION, dtype=torch.int64)
+        for h, count in enumerate(counts.tolist()):
+            index = kept[h, :count]
+            new_keys[h, :count] = keys[h, index]
+            new_values[h, :count] = values[h, index]
+            new_positions[h, :count] = positions[h, index]
+            evicted = live[h].clone()
+            evicted[index] = False
+            store.evicted_keys[h] = torch.cat([store.evicted_keys[h], keys[h, evicted].double()])
+            store.evicted_values[h] = torch.cat([store.evicted_values[h], values[h, evicted].double()])
+        store.keys, store.values, store.positions = new_keys, new_values, new_positions
+        store.moments = []
+        for keys_e, values_e in zip(store.evicted_keys, store.evicted_values):
+            n_e = keys_e.shape[0]
+            s_k, s_v = keys_e.sum(0), values_e.sum(0)
+            s_tilde = values_e.T @ keys_e - torch.outer(s_v, s_k) / max(n_e, 1)
+            store.moments.append((n_e, s_k / max(n_e, 1), s_v / max(n_e, 1), s_tilde))

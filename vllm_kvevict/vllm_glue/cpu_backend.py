@@ -24,6 +24,12 @@ With eviction on, each request's live tokens sit in the slots
 
 New tokens are written by vLLM's own ``do_kv_cache_update`` at their true
 slots, and RoPE positions stay true: only what attention reads changes.
+
+With ``head_pages`` storage (per-head budgets, the MomentKV correction) the
+survivors go to per-(layer, KV head) page tables instead
+(:mod:`cpu_head_pages`) and attention runs our kernel over them
+(:mod:`vllm_kvevict.cpu_ops`); the schedule, and so the blocks the scheduler
+frees, are the same.
 """
 
 from __future__ import annotations
@@ -47,12 +53,20 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.allocation import HeadAllocation, round_to_pages, select_top
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
+from vllm_kvevict.triton_kernels.evicted_summary import fold_evicted_reference
 from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
+from vllm_kvevict.vllm_glue.cpu_head_pages import (
+    HeadPagedCache,
+    assign_pages,
+    block_head_pages,
+)
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 from vllm_kvevict.vllm_glue.runner_hooks import (
     current_batch,
@@ -125,6 +139,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
                 f"has {type(spec).__name__} layers; serve it without --kv-eviction"
             )
         assert vllm_config is not None
+        config.check_block_size(spec.block_size)
         return EvictingAttentionSpec.from_full_attention(
             spec,
             budget=config.budget,
@@ -143,6 +158,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
 class RequestEviction:
     """One request that reaches an eviction point in this step."""
 
+    request_id: str
     batch_index: int
     state_row: int
     query_start: int  # index of the request's first token in the batch
@@ -152,7 +168,11 @@ class RequestEviction:
     point: int
     frontier_after: int
     segment_end: int  # the step's tokens in [point, segment_end) attend after this eviction
-    segment_metadata: CPUAttentionMetadata | None  # their attention (native path)
+    segment_metadata: CPUAttentionMetadata | None  # their attention (native slots path)
+    # head_pages storage: whether the frontier moves (the only points that
+    # compact), and the first slot of the standard region when this runs.
+    compacts: bool = False
+    region_start: int = 0
 
     @property
     def segment_tokens(self) -> slice:
@@ -183,6 +203,10 @@ class EvictionStepPlan:
     unwritten_tail_slots: torch.Tensor | None  # poison mode: slots past seq_len in last blocks
     num_evictions: int = 0  # (request, point) pairs that drop tokens
     eviction_seconds: float = 0.0  # summed over layers as they run
+    # head_pages storage (None with slots storage)
+    allocation: HeadAllocation | None = None
+    state_rows: torch.Tensor | None = None  # [num_reqs] each request's state row
+    region_start: torch.Tensor | None = None  # [num_reqs] standard region start at step start
 
 
 @dataclass
@@ -211,15 +235,27 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.page_layout = probe_page_layout(
             self.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype, self.isa
         )
+        self.head_paged = config.uses_head_pages
+        self.allocation = config.build_allocation() if self.head_paged else None
+        max_head_pages = 0
+        retained_capacity = self.schedule.retained_capacity()
+        if self.head_paged:
+            # After an eviction a request's compacted tokens fill the blocks
+            # [F, P // bs), fewer than budget // bs + 1 of them; one head may
+            # take every head-page they hold.
+            max_head_pages = kv_cache_spec.num_kv_heads * (config.budget // self.block_size + 1)
+            retained_capacity = max_head_pages * self.block_size
         self.state = WorkerEvictionState(
             num_layers=len(layer_names),
             num_kv_heads=kv_cache_spec.num_kv_heads,
             num_q_heads=self.num_heads,
             head_dim=kv_cache_spec.head_size,
-            retained_capacity=self.schedule.retained_capacity(),
+            retained_capacity=retained_capacity,
             query_window=config.observation_window if self.policy.needs_queries else 0,
             query_dtype=vllm_config.model_config.dtype,
             device=device,
+            max_head_pages=max_head_pages,
+            moment_correction=config.moment_correction,
         )
         self.state.poison_freed_blocks = config.poisons_freed_blocks
         rank, world_size = _tensor_parallel_layout()
@@ -266,6 +302,8 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         ring_tokens: list[torch.Tensor] = []
         ring_slots: list[torch.Tensor] = []
         tail_slots: list[torch.Tensor] = []
+        rows: list[int] = []
+        region_starts: list[int] = []
         for i, req_id in enumerate(batch.req_ids):
             prompt_len = int(batch.prompt_lens[i])
             n_after = seq_lens[i]
@@ -273,19 +311,28 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             frontier = schedule.frontier(n_before, prompt_len)
             frontier_before.append(frontier)
             row = self.state.row(req_id)
+            rows.append(row)
+            region = int(self.state.region_start[row]) if self.head_paged else 0
+            region_starts.append(region)
             points = schedule.eviction_points_in_step(n_before, n_after, prompt_len)
             last_point = schedule.last_eviction_point(n_before, prompt_len)
             for k, point in enumerate(points):
                 frontier_after = schedule.frontier_at_point(point)
                 segment_end = points[k + 1] if k + 1 < len(points) else n_after
                 segment_metadata = None
-                if segment_end > point and self.config.cpu_attention == "native":
+                compacts = frontier_after > frontier
+                if (
+                    segment_end > point
+                    and self.config.cpu_attention == "native"
+                    and not self.head_paged
+                ):
                     segment_metadata = self._segment_metadata(
                         cm, i, query_start[i] + point - n_before, point, segment_end,
                         frontier_after,
                     )
                 evictions.append(
                     RequestEviction(
+                        request_id=req_id,
                         batch_index=i,
                         state_row=row,
                         query_start=query_start[i],
@@ -296,9 +343,17 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                         frontier_after=frontier_after,
                         segment_end=segment_end,
                         segment_metadata=segment_metadata,
+                        compacts=compacts,
+                        region_start=region,
                     )
                 )
                 last_point, frontier = point, frontier_after
+                if compacts:
+                    region = point
+            if self.head_paged:
+                self.state.region_start[row] = region
+                record = self.state.last_compaction.setdefault(req_id, {})
+                record["tokens"] = n_after
             self.state.retained_tokens[req_id] = n_after - frontier
             if self.state.poison_freed_blocks:
                 # What the request holds once this step is done; all of it
@@ -347,6 +402,10 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             unwritten_tail_slots=torch.cat(tail_slots) if tail_slots else None,
             num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),
         )
+        if self.head_paged:
+            plan.allocation = self.allocation
+            plan.state_rows = torch.tensor(rows, dtype=torch.int64)
+            plan.region_start = torch.tensor(region_starts, dtype=torch.int64)
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictCPUMetadata(**values, eviction=plan)
 
@@ -401,11 +460,16 @@ def _tensor_parallel_layout() -> tuple[int, int]:
         return 0, 1
 
 
+def head_paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU cache ``[num_blocks, H, block_size, 2 * D]`` as head-pages:
+    ``[num_blocks, H, 2 * block_size, D]``, each a K block then a V block."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
+
+
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's CPU page layout: each (block, head) page is a K block then a V block."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    paged = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
-    key_cache, value_cache = paged.chunk(2, dim=2)
+    key_cache, value_cache = head_paged_view(kv_cache).chunk(2, dim=2)
     return key_cache, value_cache
 
 
@@ -444,22 +508,29 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 # block may be a poisoned one, so clear its unwritten tail (as
                 # vLLM zeroes new blocks when stale bytes could decode to NaN).
                 self._clear_slots(layer, plan.unwritten_tail_slots, key, key_cache, value_cache)
-        if plan.config.cpu_attention == "native":
+        if plan.allocation is not None:
+            self._head_paged_forward(plan, layer_index, query, head_paged_view(kv_cache), output)
+        elif plan.config.cpu_attention == "native":
             super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale, output_block_scale,
             )
         else:
             self._torch_attention(plan, query, key_cache, value_cache, output)
-        started = time.perf_counter()
-        for eviction in plan.evictions:
-            self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
-            if eviction.segment_end > eviction.point:
-                self._attend_segment(
-                    plan, layer, eviction, query, key, value, kv_cache, key_cache,
-                    value_cache, output,
-                )
-        plan.eviction_seconds += time.perf_counter() - started
+        if plan.allocation is None:
+            started = time.perf_counter()
+            for eviction in plan.evictions:
+                self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
+                if eviction.segment_end > eviction.point:
+                    self._attend_segment(
+                        plan, layer, eviction, query, key, value, kv_cache, key_cache,
+                        value_cache, output,
+                    )
+            plan.eviction_seconds += time.perf_counter() - started
+        if state.poison_freed_blocks:
+            # Isolation check: a read of a poisoned block or page shows up here.
+            out = output[: plan.query_start[-1]].reshape(plan.query_start[-1], -1)
+            state.counters.nan_outputs += int(torch.isnan(out).any(dim=-1).sum())
         if layer_index == len(plan.layer_index) - 1:
             state.end_step(plan.num_evictions, plan.eviction_seconds)
         if plan.ring_tokens is not None:
@@ -468,6 +539,153 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
             )
         return output
+
+    def _head_paged_forward(
+        self,
+        plan: EvictionStepPlan,
+        layer_index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """head_pages storage: attention of the whole batch, then each eviction
+        point in order, each followed by the attention of the tokens after it."""
+        assert plan.state_rows is not None and plan.region_start is not None
+        num_reqs = len(plan.seq_lens)
+        tokens = slice(0, plan.query_start[-1])
+        self._head_paged_attention(
+            plan, layer_index, query[tokens], kv_cache, output[tokens],
+            torch.tensor(plan.query_start, dtype=torch.int32),
+            torch.tensor(plan.seq_lens, dtype=torch.int32),
+            plan.state_rows, plan.block_table[:num_reqs], plan.region_start,
+        )
+        started = time.perf_counter()
+        cache = HeadPagedCache(kv_cache, plan.page_layout)
+        for ev in plan.evictions:
+            if not ev.compacts:
+                continue  # nothing moves: the standard region just grows
+            self._compact(plan, layer_index, ev, query, cache)
+            if ev.segment_end > ev.point:
+                segment = ev.segment_tokens
+                count = segment.stop - segment.start
+                self._head_paged_attention(
+                    plan, layer_index, query[segment], kv_cache, output[segment],
+                    torch.tensor([0, count], dtype=torch.int32),
+                    torch.tensor([ev.segment_end], dtype=torch.int32),
+                    plan.state_rows[ev.batch_index : ev.batch_index + 1],
+                    plan.block_table[ev.batch_index : ev.batch_index + 1],
+                    torch.tensor([ev.point], dtype=torch.int64),
+                )
+        plan.eviction_seconds += time.perf_counter() - started
+
+    def _head_paged_attention(
+        self,
+        plan: EvictionStepPlan,
+        layer_index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        block_table: torch.Tensor,
+        region_start: torch.Tensor,
+    ) -> None:
+        state = plan.state
+        summary = state.summaries[layer_index] if state.summaries else None
+        out, _ = cpu_ops.head_paged_attention(
+            query,
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            state.head_pages[layer_index].index_select(0, rows),
+            state.head_lens[layer_index].index_select(0, rows),
+            block_table.to(torch.int32),
+            region_start.to(torch.int32),
+            plan.page_layout.key_index,
+            plan.page_layout.value_index,
+            self.scale,
+            summary=summary,
+            summary_rows=rows.to(torch.int32) if summary is not None else None,
+            native=plan.config.cpu_attention == "native",
+        )
+        output.copy_(out.view(output.shape).to(output.dtype))
+
+    def _compact(
+        self,
+        plan: EvictionStepPlan,
+        layer_index: int,
+        ev: RequestEviction,
+        query: torch.Tensor,
+        cache: HeadPagedCache,
+    ) -> None:
+        """head_pages storage: keep the policy's choice of every live token below
+        ``ev.point``, split across heads by the allocation, in the head-pages of
+        the blocks ``[frontier_after, point // bs)``; fold the rest into the
+        MomentKV summary."""
+        assert plan.allocation is not None
+        config, state, bs = plan.config, plan.state, plan.schedule.block_size
+        row = ev.state_row
+        pages = state.head_pages[layer_index, row]
+        lens = state.head_lens[layer_index, row]
+        positions = state.positions[layer_index, row]
+        block_row = plan.block_table[ev.batch_index]
+        tokens = cache.gather_live(
+            pages, lens, positions, block_row, ev.region_start, ev.point
+        )
+        queries = query_positions = None
+        if plan.policy.needs_queries:
+            queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
+        inputs = ScoringInputs(
+            tokens.keys, tokens.values, tokens.positions, queries, query_positions, self.scale
+        )
+        scores = plan.policy.masked_scores(
+            inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
+        )
+        kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
+        free_pages = block_head_pages(kept_blocks, cache.num_heads)
+        total_pages = free_pages.numel()
+        counts = round_to_pages(
+            plan.allocation.token_counts(scores, total_pages * bs),
+            tokens.live.sum(-1),
+            (scores == float("inf")).sum(-1),
+            total_pages,
+            bs,
+        )
+        kept = select_top(scores, counts)
+        counts_list = counts.tolist()
+        new_pages = assign_pages(free_pages, counts_list, bs)
+        summary = state.summaries[layer_index] if state.summaries else None
+        for h, count in enumerate(counts_list):
+            index = kept[h, :count]
+            if summary is not None:
+                evicted = tokens.live[h].clone()
+                evicted[index] = False
+                fold_evicted_reference(
+                    summary, row, h, tokens.keys[h, evicted], tokens.values[h, evicted]
+                )
+            cache.write_compacted(new_pages[h], tokens.keys[h, index], tokens.values[h, index])
+            pages[h, : new_pages[h].numel()] = new_pages[h]
+            positions[h, :count] = tokens.positions[h, index]
+        lens.copy_(counts.to(lens.dtype))
+        state.observe_head_retained(counts_list)
+        record = state.last_compaction.setdefault(ev.request_id, {})
+        if record.get("point") != ev.point:
+            record.update(
+                point=ev.point,
+                frontier=ev.frontier_after,
+                head_lens=[[] for _ in range(state.num_layers)],
+            )
+        record["head_lens"][layer_index] = counts_list
+        if state.poison_freed_blocks:
+            used = sum(p.numel() for p in new_pages)
+            cache.poison_pages(free_pages[used:])
+            if ev.point % bs:
+                cache.poison_standard_prefix(int(block_row[ev.point // bs]), ev.point % bs)
+            # The scheduler returns these to the pool once this step is done.
+            state.poison(
+                block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer_index
+            )
 
     def _torch_attention(
         self,
@@ -608,7 +826,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype,
         )
         positions_row[:, :num_keep] = positions.gather(1, kept)
-        state.observe_head_retained(num_keep, num_heads)
+        state.observe_head_retained([num_keep] * num_heads)
         if state.poison_freed_blocks:
             # The scheduler returns these to the pool once this step is done.
             state.poison(

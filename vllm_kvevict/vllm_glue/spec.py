@@ -117,6 +117,7 @@ class RequestTrace:
     tokens: int = 0  # processed tokens at the last schedule
     retained: int = 0  # of which each KV head keeps (tokens - frontier)
     peak_blocks: int = 0
+    blocks: int = 0  # held after the last allocation or free
     free_points: list[int] = field(default_factory=list)  # processed tokens at each free
 
 
@@ -240,6 +241,7 @@ class EvictionManager(FullAttentionManager):
             held = sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
             trace = stats.live.setdefault(request_id, RequestTrace())
             trace.peak_blocks = max(trace.peak_blocks, held)
+            trace.blocks = held
         # One pool, one evicting group: every used block is held by a request
         # (block 0 is vLLM's null block and never free).
         pool = self.block_pool

@@ -14,6 +14,12 @@ recomputed after preemption) gets a row and rewrites it from position 0, and
 nothing reads a row beyond what the current run has written, so rows need no
 clearing.
 
+With ``head_pages`` storage each row also has, per layer, its KV heads' page
+tables (``head_pages [L, rows, H, max_pages]`` head-page ids, ``head_lens [L,
+rows, H]`` compacted tokens), the first slot of its standard region (the last
+point at which it compacted) and, with the MomentKV correction, the summary
+of every token each head has evicted. These are reset when a row is assigned.
+
 The state also remembers which blocks each request holds after its last step,
 for the isolation debug mode (``poison_freed_blocks``): every block the
 scheduler is about to return to the pool is filled with NaN, so a read of a
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.metrics import ProcessMetrics
+from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
 
 
 @dataclass
@@ -55,6 +62,8 @@ class WorkerEvictionState:
         query_window: int,
         query_dtype: torch.dtype,
         device: torch.device,
+        max_head_pages: int = 0,
+        moment_correction: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -64,6 +73,17 @@ class WorkerEvictionState:
         self.query_window = query_window
         self.query_dtype = query_dtype
         self.device = device
+        # head_pages storage (max_head_pages > 0): see the module docstring.
+        self.max_head_pages = max_head_pages
+        self.moment_correction = moment_correction
+        self.head_pages = torch.empty(0, dtype=torch.int32)
+        self.head_lens = torch.empty(0, dtype=torch.int32)
+        self.region_start = torch.empty(0, dtype=torch.int64)
+        self.summaries: list[EvictedSummary] = []
+        # Per request: (point, frontier, head_lens [L, H]) of its last compaction;
+        # kept for the last few finished requests (tests and tools).
+        self.last_compaction: dict[str, dict] = {}
+        self.recent_requests: list[dict] = []
         self.row_of: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.num_rows = 0
@@ -103,14 +123,47 @@ class WorkerEvictionState:
             if self.num_rows:
                 ring[:, : self.num_rows] = self.query_ring
             self.query_ring = ring
+        if self.max_head_pages:
+            self._grow_head_pages(num_rows)
         self.free_rows.extend(range(num_rows - 1, self.num_rows - 1, -1))
         self.num_rows = num_rows
         self.counters.rows_allocated = num_rows
-        self.counters.side_buffer_bytes = sum(
-            t.numel() * t.element_size() for t in (self.positions, self.query_ring)
-        )
+        buffers = [self.positions, self.query_ring, self.head_pages, self.head_lens]
+        for summary in self.summaries:
+            buffers += [summary.count, summary.key_mean, summary.value_mean, summary.cross_cov]
+        self.counters.side_buffer_bytes = sum(t.numel() * t.element_size() for t in buffers)
         if self.metrics is not None:
             self.publish_side_buffers(self._rank_label)
+
+    def _grow_head_pages(self, num_rows: int) -> None:
+        old = self.num_rows
+        shape = (self.num_layers, num_rows, self.num_kv_heads)
+        pages = torch.zeros((*shape, self.max_head_pages), dtype=torch.int32, device=self.device)
+        lens = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        region_start = torch.zeros(num_rows, dtype=torch.int64)
+        if old:
+            pages[:, :old] = self.head_pages
+            lens[:, :old] = self.head_lens
+            region_start[:old] = self.region_start
+        self.head_pages, self.head_lens, self.region_start = pages, lens, region_start
+        if self.moment_correction:
+            grown = []
+            for layer in range(self.num_layers):
+                summary = EvictedSummary.zeros(
+                    num_rows, self.num_kv_heads, self.head_dim, self.device
+                )
+                if old:
+                    previous = self.summaries[layer]
+                    for name in ("count", "key_mean", "value_mean", "cross_cov"):
+                        getattr(summary, name)[:old] = getattr(previous, name)
+                grown.append(summary)
+            self.summaries = grown
+
+    def _reset_head_pages(self, row: int) -> None:
+        self.head_lens[:, row] = 0
+        self.region_start[row] = 0
+        for summary in self.summaries:
+            summary.reset(row)
 
     def publish_side_buffers(self, rank: str) -> None:
         self._rank_label = rank
@@ -132,11 +185,12 @@ class WorkerEvictionState:
             self._publish_retained()
         metrics.export()
 
-    def observe_head_retained(self, num_keep: int, num_heads: int) -> None:
+    def observe_head_retained(self, counts: list[int]) -> None:
+        """Tokens each KV head kept at one eviction of one layer."""
         if self.metrics is not None:
             histogram = self.metrics.get("kvevict_head_retained_tokens", rank=self._rank_label)
-            for _ in range(num_heads):
-                histogram.observe(num_keep)
+            for count in counts:
+                histogram.observe(count)
 
     def _publish_retained(self) -> None:
         # Every head of every layer keeps the same count today; per-head
@@ -153,6 +207,8 @@ class WorkerEvictionState:
                 self._grow(self.num_rows * 2)
             row = self.free_rows.pop()
             self.row_of[req_id] = row
+            if self.max_head_pages:
+                self._reset_head_pages(row)
             self.counters.rows_in_use = len(self.row_of)
             self.write_snapshot()
         return row
@@ -164,6 +220,10 @@ class WorkerEvictionState:
             if row is not None:
                 self.free_rows.append(row)
             self.retained_tokens.pop(req_id, None)
+            compaction = self.last_compaction.pop(req_id, None)
+            if compaction is not None:
+                self.recent_requests.append({"request_id": req_id, **compaction})
+                del self.recent_requests[:-16]
             blocks = self.held_blocks.pop(req_id, None)
             if blocks is not None and self.poison_freed_blocks:
                 # vLLM returns all of them to the pool in this same step.
@@ -193,7 +253,11 @@ class WorkerEvictionState:
         if not force and now - self._last_write < 0.05:
             return
         self._last_write = now
-        data = {**self.counters.__dict__, "pid": os.getpid()}
+        data = {
+            **self.counters.__dict__,
+            "pid": os.getpid(),
+            "recent_requests": self.recent_requests,
+        }
         directory = os.path.dirname(os.path.abspath(self.stats_path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvevict-worker")
         with os.fdopen(fd, "w") as handle:

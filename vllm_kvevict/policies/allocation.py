@@ -1,0 +1,134 @@
+"""How a layer's retained tokens are split across its KV heads.
+
+A policy scores tokens; an allocation decides how many each head keeps. With
+per-head page tables the memory a request holds follows the *sum* of its
+heads' lengths, so a head that needs many tokens can take the pages of heads
+that need few: quality at a fixed memory.
+
+Counts are whole pages (``page_size`` tokens): a head's tokens fill its pages,
+so no page is shared and none is left partly empty, except when a head has
+fewer live tokens than its pages hold.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class HeadAllocation(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        """Tokens each head would keep, ``[H]`` int64, summing to at most ``total``.
+
+        ``scores [H, S]``: ``+inf`` for tokens that must stay (sinks, recent
+        window), ``-inf`` for padding (heads hold different numbers of live
+        tokens); a head never gets more than its live tokens.
+        """
+
+
+@dataclass
+class UniformAllocation(HeadAllocation):
+    """Every head the same share: the classic per-head top-k."""
+
+    name = "uniform"
+
+    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        live = (scores > float("-inf")).sum(-1)
+        return live.clamp(max=total // scores.shape[0])
+
+
+@dataclass
+class AdaKVAllocation(HeadAllocation):
+    """AdaKV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive
+    Budget Allocation"), as in kvpress's ``AdaKVPress``: each head first keeps
+    its top ``floor_fraction`` of an equal share (the safeguard), then the
+    layer's remaining budget goes to the highest scores across all its heads,
+    so heads whose attention is concentrated give their capacity to heads
+    whose attention is spread out. Scores must be comparable across heads
+    (attention probabilities are).
+    """
+
+    name = "adaptive"
+    floor_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.floor_fraction <= 1.0:
+            raise ValueError(
+                f"head_budget_floor must be in [0, 1], got {self.floor_fraction}"
+            )
+
+    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        num_heads, num_live = scores.shape
+        scores = scores.float().clone()
+        safe = int(total // num_heads * self.floor_fraction)
+        if safe > 0:
+            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+            forced = order[:, : min(safe, num_live)]
+            valid = scores.gather(1, forced) > float("-inf")
+            scores.scatter_(1, forced, torch.where(valid, float("inf"), float("-inf")))
+        flat = scores.flatten()
+        chosen = torch.sort(flat, descending=True, stable=True).indices[:total]
+        chosen = chosen[flat[chosen] > float("-inf")]
+        return torch.bincount(chosen // num_live, minlength=num_heads)
+
+
+ALLOCATIONS: dict[str, type[HeadAllocation]] = {
+    cls.name: cls for cls in (UniformAllocation, AdaKVAllocation)
+}
+
+
+def round_to_pages(
+    counts: torch.Tensor,
+    live: torch.Tensor,
+    min_tokens: torch.Tensor,
+    total_pages: int,
+    page_size: int,
+) -> torch.Tensor:
+    """Whole-page token counts per head: at most ``total_pages`` pages in all.
+
+    Each head gets ``counts // page_size`` pages, at least enough for its
+    ``min_tokens`` (what it must keep); the pages left go to the heads with
+    the largest remainders (largest-remainder rounding). A head keeps
+    ``min(pages * page_size, live)`` tokens.
+    """
+    need = (min_tokens + page_size - 1) // page_size
+    if int(need.sum()) > total_pages:
+        raise ValueError(
+            f"heads must keep {int(min_tokens.sum())} tokens, more than {total_pages} "
+            f"pages of {page_size} hold"
+        )
+    max_pages = (live + page_size - 1) // page_size
+    pages = torch.maximum(counts // page_size, need).minimum(max_pages)
+    # Enforcing the minimum can overshoot: take back from the heads with the
+    # most pages above their minimum.
+    while int(pages.sum()) > total_pages:
+        pages[int(torch.argmax(pages - need))] -= 1
+    remainder = torch.where(pages * page_size < counts, counts - pages * page_size, 0)
+    for head in torch.sort(remainder, descending=True, stable=True).indices.tolist():
+        if int(pages.sum()) >= total_pages or int(remainder[head]) == 0:
+            break
+        pages[head] += 1
+    return torch.minimum(pages * page_size, live)
+
+
+def select_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Indices of each head's ``counts[h]`` best tokens, ascending, padded with
+    ``-1`` to ``[H, max(counts)]``.
+
+    A stable sort breaks ties by slot order, so every implementation keeps the
+    same tokens.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    width = int(counts.max()) if counts.numel() else 0
+    top = order[:, :width]
+    keep = torch.arange(width, device=scores.device)[None, :] < counts[:, None]
+    big = torch.iinfo(top.dtype).max
+    ordered = torch.where(keep, top, big).sort(dim=-1).values
+    return torch.where(ordered == big, -1, ordered)
