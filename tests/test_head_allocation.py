@@ -128,3 +128,23 @@ def test_select_top_is_per_head_best_sorted(seed):
         ranked = sorted(range(25), key=lambda s: (-float(scores[h, s]), s))[:n]
         assert kept[h, :n].tolist() == sorted(ranked)
         assert bool((kept[h, n:] == -1).all())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocate_head_tokens_keeps_floor_protected_and_pages(seed):
+    """Whole pages within the layer's total, every head at least its protected
+    tokens and AdaKV's floor (rounded up to a page), when it has them."""
+    from vllm_kvevict.policies.allocation import allocate_head_tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, page = 3, 16
+    total_pages = heads * int(torch.randint(2, 6, (1,), generator=gen))
+    width = total_pages * page
+    scores, live = _random_scores(gen, heads, width, protected=int(torch.randint(0, 20, (1,), generator=gen)))
+    allocation = AdaKVAllocation(0.3)
+    kept = allocate_head_tokens(allocation, scores, total_pages, page)
+    floor = allocation.floor_tokens(total_pages * page, heads)
+    protected = (scores == INF).sum(-1)
+    assert int(((kept + page - 1) // page).sum()) <= total_pages
+    assert bool((kept <= live).all())
+    assert bool((kept >= torch.minimum(live, torch.maximum(protected, torch.tensor(floor)))).all())

@@ -32,6 +32,10 @@ class HeadAllocation(ABC):
         tokens); a head never gets more than its live tokens.
         """
 
+    def floor_tokens(self, total: int, num_heads: int) -> int:
+        """Tokens every head keeps at least (when it has them)."""
+        return 0
+
 
 @dataclass
 class UniformAllocation(HeadAllocation):
@@ -64,10 +68,13 @@ class AdaKVAllocation(HeadAllocation):
                 f"head_budget_floor must be in [0, 1], got {self.floor_fraction}"
             )
 
+    def floor_tokens(self, total: int, num_heads: int) -> int:
+        return int(total // num_heads * self.floor_fraction)
+
     def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
         num_heads, num_live = scores.shape
         scores = scores.float().clone()
-        safe = int(total // num_heads * self.floor_fraction)
+        safe = self.floor_tokens(total, num_heads)
         if safe > 0:
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
             forced = order[:, : min(safe, num_live)]
@@ -132,3 +139,17 @@ def select_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(top.dtype).max
     ordered = torch.where(keep, top, big).sort(dim=-1).values
     return torch.where(ordered == big, -1, ordered)
+
+
+def allocate_head_tokens(
+    allocation: HeadAllocation, scores: torch.Tensor, total_pages: int, page_size: int
+) -> torch.Tensor:
+    """Tokens each head keeps, ``[H]``: the allocation's split of
+    ``total_pages`` whole pages, never below what a head must keep (its
+    ``+inf`` tokens) or the allocation's floor (when it has that many)."""
+    live = (scores > float("-inf")).sum(-1)
+    protected = (scores == float("inf")).sum(-1)
+    floor = allocation.floor_tokens(total_pages * page_size, scores.shape[0])
+    min_tokens = torch.maximum(protected, torch.clamp(live, max=floor))
+    counts = allocation.token_counts(scores, total_pages * page_size)
+    return round_to_pages(counts, live, min_tokens, total_pages, page_size)

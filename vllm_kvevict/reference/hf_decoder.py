@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.policies.allocation import round_to_pages, select_top
+from vllm_kvevict.policies.allocation import allocate_head_tokens, select_top
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
 
@@ -384,10 +384,7 @@ class ReferenceEvictingDecoder:
             inputs, self.config.sink_tokens, self.config.recent_window, point, live
         )
         total_pages = num_heads * (point // bs - frontier // bs)
-        counts = round_to_pages(
-            self.config.build_allocation().token_counts(scores, total_pages * bs),
-            live.sum(-1), (scores == float("inf")).sum(-1), total_pages, bs,
-        )
+        counts = allocate_head_tokens(self.config.build_allocation(), scores, total_pages, bs)
         kept = select_top(scores, counts)  # [H, K] padded with -1
         if store.evicted_keys is None:
             store.evicted_keys = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads

@@ -57,7 +57,7 @@ from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
-from vllm_kvevict.policies.allocation import HeadAllocation, round_to_pages, select_top
+from vllm_kvevict.policies.allocation import HeadAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
 from vllm_kvevict.triton_kernels.evicted_summary import fold_evicted_reference
@@ -645,13 +645,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
         free_pages = block_head_pages(kept_blocks, cache.num_heads)
         total_pages = free_pages.numel()
-        counts = round_to_pages(
-            plan.allocation.token_counts(scores, total_pages * bs),
-            tokens.live.sum(-1),
-            (scores == float("inf")).sum(-1),
-            total_pages,
-            bs,
-        )
+        counts = allocate_head_tokens(plan.allocation, scores, total_pages, bs)
         kept = select_top(scores, counts)
         counts_list = counts.tolist()
         new_pages = assign_pages(free_pages, counts_list, bs)
