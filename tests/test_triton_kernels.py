@@ -2,10 +2,13 @@
 
 Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 on CPU tensors). Triton reads that variable when ``@triton.jit`` decorates a
-function, i.e. when the kernel module is imported, so it is set before the
-imports below, and a kernel module some earlier test imported compiled-mode is
-reloaded. On a machine with CUDA (and ``TRITON_INTERPRET`` unset) the same tests
-run the compiled kernels on the GPU.
+function: for our kernels when their modules are imported, for triton's own
+library (``tl.sum``, ``tl.zeros``...) when ``triton`` is first imported. So it
+is set here before any import of triton; if another test module imported
+triton first (vLLM does), this file cannot interpret in this process and
+``test_kernels_in_fresh_process`` runs it in a new one instead. On a machine
+with CUDA (and ``TRITON_INTERPRET`` unset) the same tests run the compiled
+kernels on the GPU.
 
 Unreferenced cache slots hold NaN: a kernel that reads one, or lets a masked
 lane leak into a sum, fails the comparison and the NaN checks.
@@ -13,10 +16,12 @@ lane leak into a sum, fails the comparison and the NaN checks.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,23 +33,44 @@ DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from vllm_kvevict.triton_kernels import compact_head_pages as chp  # noqa: E402
+from vllm_kvevict.triton_kernels import head_paged_attention as hpa  # noqa: E402
 from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary  # noqa: E402
 
-
-def _kernel_module(name: str):
-    """Import a kernel module with its kernels in the mode this file runs in."""
-    module = importlib.import_module(f"vllm_kvevict.triton_kernels.{name}")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    kernel = getattr(module, "_kept_token_kernel", None) or module._head_paged_attention_kernel
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if interpreted != INTERPRET:
-        module = importlib.reload(module)
-    return module
+# Triton's library was decorated before TRITON_INTERPRET was set: interpreted
+# kernels would call compiled-mode helpers and fail.
+NEEDS_FRESH_PROCESS = INTERPRET and isinstance(triton.language.zeros, JITFunction)
 
 
-hpa = _kernel_module("head_paged_attention")
-chp = _kernel_module("compact_head_pages")
+@pytest.fixture(autouse=True)
+def _interpretable(request: pytest.FixtureRequest) -> None:
+    if NEEDS_FRESH_PROCESS and request.node.name != "test_kernels_in_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; run by test_kernels_in_fresh_process")
+
+
+def test_kernels_in_fresh_process() -> None:
+    """This file in a new interpreter, when this one imported triton too early."""
+    if not NEEDS_FRESH_PROCESS:
+        pytest.skip("the kernel tests run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", str(Path(__file__).resolve()),
+            "-q", "-p", "no:cacheprovider", "-k", "not test_kernels_in_fresh_process",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, result.stdout[-2000:]
+    print(summary)
+
 
 POISON = float("nan")
 

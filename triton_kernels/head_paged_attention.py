@@ -22,7 +22,8 @@ The request's ``T`` queries are the last ``T`` positions ``seq_len - T ..
 seq_len - 1``. GQA: query head ``j`` reads KV head ``j // G``.
 
 This file holds the torch reference (the semantics every kernel is tested
-against).
+against) and the Triton kernel :func:`head_paged_attention` with the same
+semantics.
 """
 
 from __future__ import annotations
@@ -595,22 +596,33 @@ def head_paged_attention(
             if getattr(summary, name).stride(-1) != 1:
                 raise ValueError(f"summary.{name} must be contiguous in its last dim")
 
+    f32 = dict(dtype=torch.float32, device=device)
+    if num_tokens == 0 or num_requests == 0:
+        return torch.zeros(num_tokens, num_q_heads, head_dim, **f32), torch.full(
+            (num_tokens, num_q_heads), float("-inf"), **f32
+        )
+
     block_d = _next_power_of_2(head_dim)
     # Decode rows are one token x G heads: the smallest dot tile (16 rows) holds
     # them. Prefill chunks stack BLOCK_M // G tokens x G heads per tile. T <= R
-    # is a host-side test (no sync) that catches pure decode batches.
-    block_m = 16 if num_tokens <= num_requests else 64
+    # is a host-side test (no sync) that catches pure decode batches. fp32
+    # caches: fp32 dots run on the FMA units and hold their whole K extent per
+    # thread, so the 16-bit tile sizes spill on sm_90; these do not. Prefill
+    # tiles (32-64 rows) with a D=128 fp32 accumulator spill on 4 warps: 8.
+    fp32 = key_cache.dtype == torch.float32
+    block_m = 16 if num_tokens <= num_requests else (32 if fp32 else 64)
     block_m = max(block_m, _next_power_of_2(group))
     block_q = block_m // group
-    block_n = 64 if block_d <= 128 else 32
-    # 64-row prefill tiles with a D=128 fp32 accumulator spill on 4 warps (sm_90).
+    if fp32:
+        block_n = 16 if block_d >= 128 else 32
+    else:
+        block_n = 64 if block_d <= 128 else 32
     num_warps = 4 if block_m <= 16 else 8
     num_tiles = num_tokens // block_q + num_requests
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, device, max_seq_len)
     num_splits = max(1, int(num_splits))
 
-    f32 = dict(dtype=torch.float32, device=device)
     if num_splits == 1:
         # Rows no request owns keep the reference's (0, -inf); the kernel writes the rest.
         out = torch.zeros(num_tokens, num_q_heads, head_dim, **f32)
