@@ -11,6 +11,9 @@ and TP=2, for StreamingLLM (per-chunk prefill eviction) and SnapKV
 which vLLM replicates on both ranks: each replica sees only half of the query
 heads that share it, and SnapKV, which scores with all of them, must still keep
 the same tokens on both ranks and the same as at TP=1.
+A fourth case runs SnapKV on per-head page tables with the MomentKV correction
+(uniform head budgets: AdaKV's split across heads is per rank, as each rank's
+pages hold only its own heads).
 
 The two engines run one after the other, each in its own process (this file,
 run as a script), because CPU tensor parallelism binds one core per rank.
@@ -41,8 +44,13 @@ CASES = {
     "streamingllm": (4, {"policy": "streamingllm", **EVICTION}),
     "snapkv": (4, {"policy": "snapkv", **EVICTION}),
     "snapkv-replicated-kv": (1, {"policy": "snapkv", **EVICTION}),
+    # Per-head page tables and the MomentKV correction: each rank compacts its
+    # own heads into its own head-pages of the same blocks.
+    "snapkv-head-pages": (
+        4, {"policy": "snapkv", **EVICTION, "storage": "head_pages", "moment_correction": True}
+    ),
 }
-ENGINE_TIMEOUT_S = 420
+ENGINE_TIMEOUT_S = 600
 
 
 def _page_bytes(model_dir: str, tp: int) -> int:
