@@ -16,47 +16,12 @@ import argparse
 import json
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from openai import OpenAI
-
 from vllm_kvevict.default_model import fetch_default_model
-from vllm_kvevict.evaluation.server import VllmServer
-from vllm_kvevict.evaluation.tasks import RetrievalSample, multikey_sample, needle_sample
+from vllm_kvevict.evaluation.retrieval import serve_and_score
+from vllm_kvevict.evaluation.tasks import multikey_sample, needle_sample
 from vllm_kvevict.policies import POLICIES
-
-SERVER_ARGS = [
-    "--dtype", "float32", "--max-model-len", "8192", "--block-size", "32",
-    "--max-num-batched-tokens", "512", "--max-num-seqs", "4", "--enforce-eager",
-    "--kv-cache-memory-bytes", "1500000000",
-]
-
-
-def score(server: VllmServer, samples: list[RetrievalSample]) -> int:
-    api = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=1200)
-
-    def ask(sample: RetrievalSample) -> bool:
-        reply = api.completions.create(
-            model="smollm2", prompt=sample.prompt, max_tokens=12, temperature=0
-        )
-        return sample.answer in reply.choices[0].text
-
-    with ThreadPoolExecutor(4) as pool:
-        return sum(pool.map(ask, samples))
-
-
-def run(model: str, eviction: dict | None, tasks: dict[str, list[RetrievalSample]], work: Path) -> dict[str, int]:
-    args = list(SERVER_ARGS)
-    if eviction is not None:
-        args += ["--kv-eviction", eviction["policy"], "--kv-eviction-config", json.dumps(eviction)]
-    server = VllmServer(model, args, stats_path=work / "stats.json", log_path=work / "server.log")
-    try:
-        server.wait_ready()
-        return {name: score(server, samples) for name, samples in tasks.items()}
-    finally:
-        server.stop()
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -92,7 +57,7 @@ def main() -> None:
             work = Path(tmp) / str(i)
             work.mkdir()
             start = time.perf_counter()
-            hits = run(model, eviction, tasks, work)
+            hits = serve_and_score(model, eviction, tasks, work)
             rows.append((policy, mode, budget, hits, time.perf_counter() - start))
             print(json.dumps({"policy": policy, "mode": mode, "budget": budget, **hits}), flush=True)
 
