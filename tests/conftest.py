@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from helpers import SNAPKV_SERVER_CONFIG, VllmServer
-from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+from helpers import SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
 
 # Every engine this session starts (servers and offline LLMs inherit the
 # environment) runs in the isolation debug mode: blocks returned to vLLM's pool
@@ -37,13 +35,7 @@ def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("snapkv_server")
     server = VllmServer(
         model_dir,
-        [
-            "--kv-eviction", "snapkv",
-            "--kv-eviction-config", json.dumps(SNAPKV_SERVER_CONFIG),
-            "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
-            "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(SERVER_POOL_BLOCKS * DEFAULT_MODEL_BLOCK_BYTES + 4096),
-        ],
+        eviction_server_args(SNAPKV_SERVER_CONFIG, SERVER_POOL_BLOCKS),
         stats_path=work / "stats.json",
         log_path=work / "server.log",
     )

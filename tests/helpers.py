@@ -8,6 +8,22 @@ from vllm_kvevict.evaluation.tasks import needle_prompt  # noqa: F401
 SNAPKV_SERVER_CONFIG = {"policy": "snapkv", "budget": 512, "policy_options": {"kernel_size": 15}}
 
 
+def eviction_server_args(config: dict, pool_blocks: int) -> list[str]:
+    """`vllm serve` arguments of the tests' servers: the default model in fp32,
+    4k context, 512-token chunks, a KV pool of ``pool_blocks`` blocks of 32."""
+    import json
+
+    from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+
+    return [
+        "--kv-eviction", config["policy"],
+        "--kv-eviction-config", json.dumps(config),
+        "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(pool_blocks * DEFAULT_MODEL_BLOCK_BYTES + 4096),
+    ]
+
+
 def kvevict_samples(exposition: str) -> dict[tuple[str, tuple], float]:
     """The plugin's samples in a Prometheus exposition, keyed by (name, sorted labels).
 

@@ -7,15 +7,13 @@ suite's poison mode) shared by the tests here.
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
 
-from helpers import VllmServer, needle_prompt
-from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+from helpers import VllmServer, eviction_server_args, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -35,13 +33,7 @@ def head_pages_server(model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("head_pages_server")
     server = VllmServer(
         model_dir,
-        [
-            "--kv-eviction", "snapkv",
-            "--kv-eviction-config", json.dumps(HEAD_PAGES_CONFIG),
-            "--dtype", "float32", "--max-model-len", "4096", "--block-size", str(BLOCK),
-            "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(POOL_BLOCKS * DEFAULT_MODEL_BLOCK_BYTES + 4096),
-        ],
+        eviction_server_args(HEAD_PAGES_CONFIG, POOL_BLOCKS),
         stats_path=work / "stats.json",
         log_path=work / "server.log",
     )

@@ -193,8 +193,9 @@ class WorkerEvictionState:
                 histogram.observe(count)
 
     def _publish_retained(self) -> None:
-        # Every head of every layer keeps the same count today; per-head
-        # budgets will make these differ.
+        # Tokens per KV head, averaged over the layer's heads: every layer
+        # keeps the same total (per-head budgets split it differently across
+        # heads, which kvevict_head_retained_tokens shows).
         total = sum(self.retained_tokens.values())
         assert self.metrics is not None
         for layer in range(self.num_layers):
