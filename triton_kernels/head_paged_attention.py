@@ -28,6 +28,8 @@ semantics.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from vllm_kvevict.triton_kernels.evicted_summary import (
@@ -58,6 +60,66 @@ def head_tokens_reference(
     slots = torch.arange(region_start, region_end, device=cache.device)
     standard = cache[block_ids[slots // page_size].long(), head, slots % page_size]
     return torch.cat([compacted, standard])
+
+
+def attend_head_tokens(
+    query: torch.Tensor,
+    num_kv_heads: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    region_start: torch.Tensor,
+    head_lens: torch.Tensor,
+    read_head_tokens: Callable[[int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    summary: EvictedSummary | None,
+    summary_rows: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """The attention of the storage model, one (request, KV head) at a time,
+    into ``out [T, Hq, D]`` and ``lse [T, Hq]`` (fp32).
+
+    ``read_head_tokens(r, h, length, region_start, seq_len)`` returns head
+    ``h``'s keys and values: its ``length`` compacted tokens, then its standard
+    slots ``[region_start, seq_len)``; callers differ only in where those live.
+    """
+    num_q_heads = query.shape[1]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    seq_list, region_list, lens = seq_lens.tolist(), region_start.tolist(), head_lens.tolist()
+    rows = summary_rows.tolist() if summary is not None and summary_rows is not None else None
+    for r in range(len(starts) - 1):
+        first, last = starts[r], starts[r + 1]
+        if last == first:
+            continue
+        seq_len, start = int(seq_list[r]), int(region_list[r])
+        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
+        for h in range(num_kv_heads):
+            length = int(lens[r][h])
+            keys, values = read_head_tokens(r, h, length, start, seq_len)
+            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
+            logits = torch.einsum("tgd,sd->tgs", q, keys.float()) * scale
+            # Compacted tokens are visible to every query, standard slots causally.
+            slot = torch.arange(keys.shape[0], device=query.device) - length + start
+            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
+            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
+            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
+            part_out = torch.einsum("tgs,sd->tgd", probs, values.float())
+            if rows is not None and int(rows[r]) >= 0:
+                assert summary is not None
+                row = int(rows[r])
+                e_out, e_lse = summary_partial_state(
+                    q,
+                    summary.count[row, h],
+                    summary.key_mean[row, h],
+                    summary.value_mean[row, h],
+                    summary.cross_cov[row, h],
+                    scale,
+                )
+                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
+            out[first:last, h * group : (h + 1) * group] = part_out
+            lse[first:last, h * group : (h + 1) * group] = part_lse
 
 
 def head_paged_attention_reference(
@@ -97,42 +159,16 @@ def head_paged_attention_reference(
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    group = num_q_heads // num_kv_heads
+    def read(r: int, h: int, length: int, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (h, head_page_table[r, h], length, block_table[r], start, seq_len)
+        return head_tokens_reference(key_cache, *args), head_tokens_reference(value_cache, *args)
+
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
-    starts = query_start_loc.tolist()
-    for r in range(len(starts) - 1):
-        first, last = starts[r], starts[r + 1]
-        if last == first:
-            continue
-        seq_len, start = int(seq_lens[r]), int(region_start[r])
-        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
-        for h in range(num_kv_heads):
-            length = int(head_lens[r, h])
-            args = (h, head_page_table[r, h], length, block_table[r], start, seq_len)
-            keys = head_tokens_reference(key_cache, *args).float()
-            values = head_tokens_reference(value_cache, *args).float()
-            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
-            logits = torch.einsum("tgd,sd->tgs", q, keys) * scale
-            slot = torch.arange(keys.shape[0], device=query.device) - length + start
-            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
-            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
-            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
-            part_out = torch.einsum("tgs,sd->tgd", probs, values)
-            if summary is not None and summary_rows is not None and int(summary_rows[r]) >= 0:
-                row = int(summary_rows[r])
-                e_out, e_lse = summary_partial_state(
-                    q,
-                    summary.count[row, h],
-                    summary.key_mean[row, h],
-                    summary.value_mean[row, h],
-                    summary.cross_cov[row, h],
-                    scale,
-                )
-                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
-            out[first:last, h * group : (h + 1) * group] = part_out
-            lse[first:last, h * group : (h + 1) * group] = part_lse
+    attend_head_tokens(
+        query, num_kv_heads, query_start_loc, seq_lens, region_start, head_lens, read, scale,
+        summary, summary_rows, out, lse,
+    )
     return out, lse
 
 

@@ -32,11 +32,8 @@ from types import ModuleType
 
 import torch
 
-from vllm_kvevict.triton_kernels.evicted_summary import (
-    EvictedSummary,
-    merge_partial_states,
-    summary_partial_state,
-)
+from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
+from vllm_kvevict.triton_kernels.head_paged_attention import attend_head_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -181,56 +178,27 @@ def head_paged_attention_torch(
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`head_paged_attention` in torch, one (request, KV head) at a time."""
-    num_q_heads = query.shape[1]
-    num_kv_heads = kv_cache.shape[1]
     page_size = kv_cache.shape[2] // 2
-    group = num_q_heads // num_kv_heads
     out, lse = _outputs(query, out, lse)
     out.zero_()
     lse.fill_(float("-inf"))
     key_half, value_half = slice(0, page_size), slice(page_size, 2 * page_size)
     key_index = key_offsets.to(torch.long)
     value_index = value_offsets.to(torch.long)
-    starts = query_start_loc.tolist()
-    seq_list = seq_lens.tolist()
-    region_list = region_start.tolist()
-    lens = head_lens.tolist()
     tables = head_page_table.tolist()
     blocks = block_table.tolist()
-    rows = summary_rows.tolist() if summary is not None and summary_rows is not None else None
-    for r in range(len(starts) - 1):
-        first, last = starts[r], starts[r + 1]
-        if last == first:
-            continue
-        seq_len, start = int(seq_list[r]), int(region_list[r])
-        positions = torch.arange(seq_len - (last - first), seq_len)
-        for h in range(num_kv_heads):
-            length = int(lens[r][h])
-            args = (h, tables[r][h], length, blocks[r], start, seq_len)
-            keys = _head_rows(kv_cache, key_half, key_index, *args).float()
-            values = _head_rows(kv_cache, value_half, value_index, *args).float()
-            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
-            logits = torch.einsum("tgd,sd->tgs", q, keys) * scale
-            # Compacted tokens are visible to every query, standard slots causally.
-            slot = torch.arange(keys.shape[0]) - length + start
-            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
-            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
-            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
-            part_out = torch.einsum("tgs,sd->tgd", probs, values)
-            if summary is not None and rows is not None and int(rows[r]) >= 0:
-                row = int(rows[r])
-                e_out, e_lse = summary_partial_state(
-                    q,
-                    summary.count[row, h],
-                    summary.key_mean[row, h],
-                    summary.value_mean[row, h],
-                    summary.cross_cov[row, h],
-                    scale,
-                )
-                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
-            out[first:last, h * group : (h + 1) * group] = part_out
-            lse[first:last, h * group : (h + 1) * group] = part_lse
+
+    def read(r: int, h: int, length: int, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (h, tables[r][h], length, blocks[r], start, seq_len)
+        return (
+            _head_rows(kv_cache, key_half, key_index, *args),
+            _head_rows(kv_cache, value_half, value_index, *args),
+        )
+
+    attend_head_tokens(
+        query, kv_cache.shape[1], query_start_loc, seq_lens, region_start, head_lens, read,
+        scale, summary, summary_rows, out, lse,
+    )
     return out, lse
 
 

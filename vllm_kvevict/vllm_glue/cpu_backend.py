@@ -237,6 +237,10 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         self.head_paged = config.uses_head_pages
         self.allocation = config.build_allocation() if self.head_paged else None
+        if self.head_paged and config.cpu_attention == "native":
+            # Build (or load) our kernel now, while the worker starts, rather
+            # than stall the first request for the ~30 s compile.
+            cpu_ops.load_cpu_ops()
         max_head_pages = 0
         retained_capacity = self.schedule.retained_capacity()
         if self.head_paged:
