@@ -36,7 +36,7 @@ FIELDS = [
     "moment_correction",
     "storage",
 ]
-POLICY_NAMES = ["snapkv", "streamingllm"]
+POLICY_NAMES = ["keydiff", "knorm", "momentkv", "snapkv", "streamingllm", "tova"]
 
 SETTINGS = {
     "policy": "snapkv",

@@ -230,7 +230,7 @@ def test_streamingllm_dense_sequence():
 
 
 def test_policy_registry():
-    assert sorted(POLICIES) == ["snapkv", "streamingllm"]
+    assert sorted(POLICIES) == ["keydiff", "knorm", "momentkv", "snapkv", "streamingllm", "tova"]
     assert policy_options("snapkv") == {"kernel_size": 7, "pooling": "max"}
     assert policy_options("streamingllm") == {}
     assert SnapKVPolicy.needs_queries and not StreamingLLMPolicy.needs_queries
@@ -239,7 +239,7 @@ def test_policy_registry():
 
 
 def test_make_policy_errors():
-    with pytest.raises(ValueError, match="snapkv, streamingllm"):
+    with pytest.raises(ValueError, match="keydiff, knorm, momentkv, snapkv, streamingllm, tova"):
         make_policy("h2o")
     with pytest.raises(ValueError, match="kernel_size, pooling"):
         make_policy("snapkv", {"window": 3})

@@ -94,11 +94,11 @@ class EvictionConfig(BaseModel):
         0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
     )
     moment_correction: bool = Field(
-        False,
+        None,  # type: ignore[assignment]  # resolved per policy: on for momentkv
         description="MomentKV correction: fold every evicted token into per-(layer, KV "
         "head) moment statistics (count, means, value-key covariance; fp32, "
         "(1 + 2D + D^2) x 4 bytes per head) and add their closed-form contribution "
-        "to every attention output (needs storage head_pages)",
+        "to every attention output (needs storage head_pages; default on for momentkv)",
     )
     storage: Literal["slots", "head_pages"] | None = Field(
         None,
@@ -117,6 +117,10 @@ class EvictionConfig(BaseModel):
             policy = POLICIES.get(name) if isinstance(name, str) else None
             if policy is not None:
                 data = {**data, "prefill_mode": policy.default_prefill_mode}
+        if isinstance(data, dict) and data.get("moment_correction") is None:
+            name = data.get("policy")
+            policy = POLICIES.get(name) if isinstance(name, str) else None
+            data = {**data, "moment_correction": bool(policy and policy.needs_moments)}
         return data
 
     @model_validator(mode="after")
@@ -131,6 +135,11 @@ class EvictionConfig(BaseModel):
                 f"budget {self.budget} cannot hold sink_tokens ({self.sink_tokens}) + "
                 f"recent_window ({self.recent_window}); raise budget to at least "
                 f"{self.sink_tokens + self.recent_window} or shrink the window"
+            )
+        if POLICIES[self.policy].needs_moments and not self.moment_correction:
+            raise ValueError(
+                f"policy {self.policy!r} scores with the statistics of the evicted tokens, "
+                "which moment_correction keeps; drop moment_correction: false"
             )
         if self.storage == "slots" and self.needs_head_pages:
             raise ValueError(

@@ -7,11 +7,18 @@ import dataclasses
 from typing import Any
 
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.keydiff import KeyDiffPolicy
+from vllm_kvevict.policies.knorm import KnormPolicy
+from vllm_kvevict.policies.momentkv import MomentKVPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.policies.streaming_llm import StreamingLLMPolicy
+from vllm_kvevict.policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (StreamingLLMPolicy, SnapKVPolicy)
+    cls.name: cls
+    for cls in (
+        StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy
+    )
 }
 
 
@@ -41,9 +48,13 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> EvictionPol
 __all__ = [
     "POLICIES",
     "EvictionPolicy",
+    "KeyDiffPolicy",
+    "KnormPolicy",
+    "MomentKVPolicy",
     "ScoringInputs",
     "SnapKVPolicy",
     "StreamingLLMPolicy",
+    "TOVAPolicy",
     "make_policy",
     "policy_options",
 ]

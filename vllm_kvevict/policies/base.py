@@ -26,6 +26,24 @@ from typing import ClassVar
 import torch
 
 
+# Key position of padding when heads hold different numbers of live tokens
+# (per-head page tables): after every query, so attention-based scores give it
+# nothing, and masked_scores never keeps it.
+PADDING_POSITION = 1 << 40
+
+
+@dataclass
+class EvictedMoments:
+    """What each KV head has evicted so far (MomentKV's statistics), fp32:
+    count ``[H]``, key and value means ``[H, D]``, and the value x centred-key
+    cross-covariance ``Σ (v - v̄)(k - k̄)ᵀ`` ``[H, D, D]``."""
+
+    count: torch.Tensor
+    key_mean: torch.Tensor
+    value_mean: torch.Tensor
+    cross_cov: torch.Tensor
+
+
 @dataclass
 class ScoringInputs:
     keys: torch.Tensor
@@ -34,6 +52,7 @@ class ScoringInputs:
     queries: torch.Tensor | None
     query_positions: torch.Tensor | None
     scale: float
+    evicted: EvictedMoments | None = None  # for policies with needs_moments
 
     @property
     def num_kv_heads(self) -> int:
@@ -50,6 +69,8 @@ class EvictionPolicy(ABC):
 
     name: ClassVar[str]
     needs_queries: ClassVar[bool] = False
+    needs_moments: ClassVar[bool] = False
+    """Scores with the statistics of the evicted tokens (``moment_correction``)."""
     default_prefill_mode: ClassVar[str] = "per_chunk"
     """Query-based scorers default to ``end_of_prompt`` so that the question at
     the end of the prompt chooses what stays (measured: SnapKV found 0/6

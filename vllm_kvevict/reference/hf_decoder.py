@@ -29,11 +29,13 @@ import torch
 
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.policies.allocation import allocate_head_tokens, select_top
-from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import (
+    PADDING_POSITION,
+    EvictedMoments,
+    EvictionPolicy,
+    ScoringInputs,
+)
 from vllm_kvevict.schedule import EvictionSchedule
-
-# Position of padding in head_pages mode: later than any query.
-PADDING_POSITION = 1 << 40
 
 
 @dataclass
@@ -374,11 +376,26 @@ class ReferenceEvictingDecoder:
         window = self.config.observation_window
         obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
         needs_q = self.policy.needs_queries
+        moments = None
+        if self.config.moment_correction:
+            if store.moments is None:
+                zeros = torch.zeros(num_heads, head_dim)
+                moments = EvictedMoments(
+                    torch.zeros(num_heads), zeros, zeros, torch.zeros(num_heads, head_dim, head_dim)
+                )
+            else:
+                moments = EvictedMoments(
+                    torch.tensor([float(m[0]) for m in store.moments]),
+                    torch.stack([m[1] for m in store.moments]).float(),
+                    torch.stack([m[2] for m in store.moments]).float(),
+                    torch.stack([m[3] for m in store.moments]).float(),
+                )
         inputs = ScoringInputs(
             keys=keys, values=values, key_positions=positions,
             queries=store.query_history[:, obs] if needs_q else None,
             query_positions=store.query_positions[obs] if needs_q else None,
             scale=scale,
+            evicted=moments,
         )
         scores = self.policy.masked_scores(
             inputs, self.config.sink_tokens, self.config.recent_window, point, live

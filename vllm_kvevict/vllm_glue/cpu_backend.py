@@ -57,6 +57,7 @@ from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import EvictedMoments
 from vllm_kvevict.policies.allocation import HeadAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
@@ -640,8 +641,16 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         queries = query_positions = None
         if plan.policy.needs_queries:
             queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
+        summary = state.summaries[layer_index] if state.summaries else None
+        moments = None
+        if summary is not None:
+            moments = EvictedMoments(
+                summary.count[row], summary.key_mean[row], summary.value_mean[row],
+                summary.cross_cov[row],
+            )
         inputs = ScoringInputs(
-            tokens.keys, tokens.values, tokens.positions, queries, query_positions, self.scale
+            tokens.keys, tokens.values, tokens.positions, queries, query_positions, self.scale,
+            moments,
         )
         scores = plan.policy.masked_scores(
             inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
@@ -653,7 +662,6 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         kept = select_top(scores, counts)
         counts_list = counts.tolist()
         new_pages = assign_pages(free_pages, counts_list, bs)
-        summary = state.summaries[layer_index] if state.summaries else None
         for h, count in enumerate(counts_list):
             index = kept[h, :count]
             if summary is not None:

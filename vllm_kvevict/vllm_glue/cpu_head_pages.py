@@ -28,12 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout
 
-# Key position of padding (heads hold different numbers of live tokens): after
-# every query, so attention-based scores give it nothing.
-PADDING_POSITION = 1 << 40
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""KeyDiff, Knorm and TOVA against loop implementations of their papers'
+equations (fp64, one token at a time), on fresh random inputs."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_kvevict.policies import KeyDiffPolicy, KnormPolicy, ScoringInputs, TOVAPolicy, make_policy
+from vllm_kvevict.policies.base import PADDING_POSITION
+
+
+def _inputs(gen, heads=3, group=2, live=24, dim=16, window=5):
+    keys = torch.randn(heads, live, dim, generator=gen) * 2 + torch.randn(heads, 1, dim, generator=gen)
+    values = torch.randn(heads, live, dim, generator=gen)
+    positions = torch.arange(live).expand(heads, live).clone()
+    queries = torch.randn(heads * group, window, dim, generator=gen)
+    query_positions = torch.arange(live - window, live)
+    return ScoringInputs(keys, values, positions, queries, query_positions, 1 / math.sqrt(dim))
+
+
+def _cos(a, b):
+    return float(a @ b) / max(float(a.norm()) * float(b.norm()), 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keydiff_ranks_as_pairwise_eq7(seed):
+    """KeyDiff Eq. 8 with the normalised-key anchor ranks tokens exactly as the
+    pairwise Eq. 7, -Σ_j cos(k_i, k_j)."""
+    inputs = _inputs(torch.Generator().manual_seed(seed))
+    scores = KeyDiffPolicy().score(inputs)
+    keys = inputs.keys.double()
+    for h in range(keys.shape[0]):
+        pairwise = [-sum(_cos(keys[h, i], keys[h, j]) for j in range(keys.shape[1]))
+                    for i in range(keys.shape[1])]
+        order_eq7 = sorted(range(len(pairwise)), key=lambda i: -pairwise[i])
+        order_ours = torch.sort(scores[h], descending=True, stable=True).indices.tolist()
+        assert order_ours == order_eq7
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keydiff_raw_anchor_and_padding(seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = _inputs(gen)
+    raw = KeyDiffPolicy(anchor="raw").score(inputs)
+    keys = inputs.keys.double()
+    for h in range(keys.shape[0]):
+        anchor = keys[h].mean(0)
+        want = torch.tensor([-_cos(k, anchor) for k in keys[h]], dtype=torch.float64)
+        assert torch.allclose(raw[h].double(), want, atol=1e-5)
+    # Padding (shorter heads under per-head page tables) never joins the anchor.
+    padded = ScoringInputs(
+        torch.cat([inputs.keys, torch.randn(3, 4, 16, generator=gen) * 50], dim=1),
+        torch.cat([inputs.values, torch.zeros(3, 4, 16)], dim=1),
+        torch.cat([inputs.key_positions, torch.full((3, 4), PADDING_POSITION)], dim=1),
+        None, None, inputs.scale,
+    )
+    assert torch.allclose(KeyDiffPolicy().score(padded)[:, :24], KeyDiffPolicy().score(inputs), atol=1e-6)
+    with pytest.raises(ValueError, match="anchor"):
+        make_policy("keydiff", {"anchor": "median"})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_knorm_keeps_lowest_key_norms(seed):
+    inputs = _inputs(torch.Generator().manual_seed(seed))
+    scores = KnormPolicy().score(inputs)
+    for h in range(3):
+        for i in range(24):
+            assert float(scores[h, i]) == pytest.approx(-math.sqrt(sum(float(x) ** 2 for x in inputs.keys[h, i])), rel=1e-5)
+    kept = KnormPolicy().select(inputs, 10, 0, 0, 24)
+    for h in range(3):
+        norms = inputs.keys[h].norm(dim=-1)
+        assert kept[h].tolist() == sorted(torch.argsort(norms)[:10].tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("group", [1, 3])
+def test_tova_is_last_query_attention_averaged_over_group(seed, group):
+    inputs = _inputs(torch.Generator().manual_seed(seed), group=group, window=6)
+    # the last query sees every key; earlier ones not the last few
+    scores = TOVAPolicy().score(inputs)
+    keys, queries = inputs.keys.double(), inputs.queries.double()
+    last_pos = int(inputs.query_positions[-1])
+    for h in range(3):
+        want = [0.0] * 24
+        for g in range(group):
+            q = queries[h * group + g, -1]
+            visible = [s for s in range(24) if int(inputs.key_positions[h, s]) <= last_pos]
+            logits = {s: float(q @ keys[h, s]) * inputs.scale for s in visible}
+            top = max(logits.values())
+            z = sum(math.exp(v - top) for v in logits.values())
+            for s in visible:
+                want[s] += math.exp(logits[s] - top) / z / group
+        assert torch.allclose(scores[h].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert TOVAPolicy.needs_queries and TOVAPolicy.default_prefill_mode == "end_of_prompt"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_momentkv_score_is_attention_times_moment_residual(seed):
+    """MomentKV Eq. 10: α_j ‖v_j - v̄ - τ S̃ k_j / n‖ with S̃ from the evicted
+    tokens' raw sums (Eq. 24), α the window attention averaged over window and
+    group; with nothing evicted it is α_j ‖v_j‖."""
+    from vllm_kvevict.policies import MomentKVPolicy
+    from vllm_kvevict.policies.base import EvictedMoments
+    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    inputs = _inputs(gen, group=2, window=5)
+    heads, dim = 3, 16
+    evicted_k = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
+    evicted_v = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
+    summary = EvictedSummary.zeros(1, heads, dim)
+    for h in range(heads):
+        fold_evicted_reference(summary, 0, h, evicted_k[h][:3], evicted_v[h][:3])
+        fold_evicted_reference(summary, 0, h, evicted_k[h][3:], evicted_v[h][3:])
+    inputs.evicted = EvictedMoments(summary.count[0], summary.key_mean[0], summary.value_mean[0], summary.cross_cov[0])
+    scores = MomentKVPolicy().score(inputs)
+    keys, values, queries = inputs.keys.double(), inputs.values.double(), inputs.queries.double()
+    for h in range(heads):
+        ke, ve = evicted_k[h].double(), evicted_v[h].double()
+        n = ke.shape[0]
+        s_tilde = ve.T @ ke - torch.outer(ve.sum(0), ke.sum(0)) / n
+        for j in range(24):
+            alpha = 0.0
+            for g in range(2):
+                for w in range(5):
+                    qpos = int(inputs.query_positions[w])
+                    visible = [s for s in range(24) if s <= qpos]
+                    logits = torch.stack([queries[h * 2 + g, w] @ keys[h, s] for s in visible]) * inputs.scale
+                    probs = torch.softmax(logits, 0)
+                    alpha += float(probs[visible.index(j)]) if j in visible else 0.0
+            alpha /= 10
+            residual = values[h, j] - ve.mean(0) - inputs.scale * (s_tilde @ keys[h, j]) / n
+            assert float(scores[h, j]) == pytest.approx(alpha * float(residual.norm()), rel=1e-4, abs=1e-7)
+    # nothing evicted yet: attention x value norm
+    zeros = torch.zeros(heads, dim)
+    inputs.evicted = EvictedMoments(torch.zeros(heads), zeros, zeros, torch.zeros(heads, dim, dim))
+    attention = MomentKVPolicy().score(inputs) / inputs.values.norm(dim=-1)
+    from vllm_kvevict.policies import SnapKVPolicy
+    assert torch.allclose(attention, SnapKVPolicy(kernel_size=1).score(inputs), atol=1e-6)
+
+
+def test_momentkv_requires_moment_statistics():
+    from vllm_kvevict.config import KVEvictionConfigError, build_config
+
+    config = build_config({"policy": "momentkv"})
+    assert config.moment_correction and config.uses_head_pages
+    assert not build_config({"policy": "snapkv"}).moment_correction
+    with pytest.raises(KVEvictionConfigError, match="drop moment_correction: false"):
+        build_config({"policy": "momentkv", "moment_correction": False})
