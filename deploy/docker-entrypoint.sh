@@ -6,7 +6,7 @@
 #
 #   MODEL               model to serve; unset: the first argument names it (as
 #                       with vLLM's own image), or vLLM's --model / default
-#   KV_EVICTION         policy (streamingllm, snapkv); "none" or empty: plain
+#   KV_EVICTION         policy (streamingllm, snapkv, tova, keydiff, knorm, momentkv); "none" or empty: plain
 #                       vLLM without eviction
 #   KV_EVICTION_CONFIG  inline JSON or a .json/.yaml file; unset:
 #                       $KVEVICT_CONFIG_DIR/$KV_EVICTION.yaml when that file
