@@ -230,7 +230,10 @@ def test_streamingllm_dense_sequence():
 
 
 def test_policy_registry():
-    assert sorted(POLICIES) == ["keydiff", "knorm", "momentkv", "snapkv", "streamingllm", "tova"]
+    assert sorted(POLICIES) == [
+        "criticalkv", "expected_attention", "h2o", "keydiff", "knorm",
+        "momentkv", "random", "snapkv", "streamingllm", "tova",
+    ]
     assert policy_options("snapkv") == {"kernel_size": 7, "pooling": "max"}
     assert policy_options("streamingllm") == {}
     assert SnapKVPolicy.needs_queries and not StreamingLLMPolicy.needs_queries
@@ -239,8 +242,8 @@ def test_policy_registry():
 
 
 def test_make_policy_errors():
-    with pytest.raises(ValueError, match="keydiff, knorm, momentkv, snapkv, streamingllm, tova"):
-        make_policy("h2o")
+    with pytest.raises(ValueError, match="criticalkv, expected_attention, h2o, keydiff"):
+        make_policy("pyramidkv")
     with pytest.raises(ValueError, match="kernel_size, pooling"):
         make_policy("snapkv", {"window": 3})
     with pytest.raises(ValueError, match="none"):

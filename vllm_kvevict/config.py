@@ -43,7 +43,11 @@ class EvictionConfig(BaseModel):
         32, ge=0, description="most recent tokens always kept at an eviction"
     )
     observation_window: int = Field(
-        32, ge=1, description="recent queries that query-based policies (snapkv) score with"
+        None,  # type: ignore[assignment]  # resolved per policy below
+        ge=1,
+        description="recent queries that query-based policies score with (default per "
+        "policy: 32; expected_attention 128, the paper's query-statistics buffer; h2o "
+        "256, the attention CriticalKV's authors accumulate for it)",
     )
     decode_interval: int = Field(
         32, ge=1, description="decode steps between two evictions (N)"
@@ -121,6 +125,10 @@ class EvictionConfig(BaseModel):
             name = data.get("policy")
             policy = POLICIES.get(name) if isinstance(name, str) else None
             data = {**data, "moment_correction": bool(policy and policy.needs_moments)}
+        if isinstance(data, dict) and data.get("observation_window") is None:
+            name = data.get("policy")
+            policy = POLICIES.get(name) if isinstance(name, str) else None
+            data = {**data, "observation_window": policy.default_observation_window if policy else 32}
         return data
 
     @model_validator(mode="after")

@@ -6,10 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import EvictionPolicy, RotaryFrequencies, ScoringInputs
+from vllm_kvevict.policies.criticalkv import CriticalKVPolicy
+from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
+from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.keydiff import KeyDiffPolicy
 from vllm_kvevict.policies.knorm import KnormPolicy
 from vllm_kvevict.policies.momentkv import MomentKVPolicy
+from vllm_kvevict.policies.random_policy import RandomPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.policies.streaming_llm import StreamingLLMPolicy
 from vllm_kvevict.policies.tova import TOVAPolicy
@@ -17,14 +21,18 @@ from vllm_kvevict.policies.tova import TOVAPolicy
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
     for cls in (
-        StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy
+        StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy,
+        ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy,
     )
 }
 
 
 def policy_options(name: str) -> dict[str, Any]:
     """The options a policy accepts, with their defaults."""
-    return {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
+    return {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(POLICIES[name])
+    }
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> EvictionPolicy:
@@ -47,10 +55,15 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> EvictionPol
 
 __all__ = [
     "POLICIES",
+    "CriticalKVPolicy",
     "EvictionPolicy",
+    "ExpectedAttentionPolicy",
+    "H2OPolicy",
     "KeyDiffPolicy",
     "KnormPolicy",
     "MomentKVPolicy",
+    "RandomPolicy",
+    "RotaryFrequencies",
     "ScoringInputs",
     "SnapKVPolicy",
     "StreamingLLMPolicy",

@@ -12,6 +12,10 @@ Shapes (one request, one layer)::
     queries          [Hq, W, D]  the last W queries before the eviction point
                                   (post-RoPE), or None for query-free policies
     query_positions  [W]
+    rotary           the model's RoPE frequencies (policies that model future
+                     queries: expected_attention), or None
+    output_projection [Hq, D, d_model] each query head's slice of the layer's
+                     output projection W_O (criticalkv), or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -44,6 +48,18 @@ class EvictedMoments:
     cross_cov: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RotaryFrequencies:
+    """A model's rotary position embedding: pair ``m`` of a head's dimensions
+    turns by ``position * inv_freq[m]``, its magnitude scaled by
+    ``attention_scaling`` (1 for plain RoPE). ``neox`` pairs dimension ``i``
+    with ``i + D/2`` (HF's rotate_half); otherwise ``2i`` with ``2i + 1``."""
+
+    inv_freq: torch.Tensor  # [D / 2], float64
+    neox: bool = True
+    attention_scaling: float = 1.0
+
+
 @dataclass
 class ScoringInputs:
     keys: torch.Tensor
@@ -53,6 +69,8 @@ class ScoringInputs:
     query_positions: torch.Tensor | None
     scale: float
     evicted: EvictedMoments | None = None  # for policies with needs_moments
+    rotary: RotaryFrequencies | None = None  # for policies with needs_rotary
+    output_projection: torch.Tensor | None = None  # for needs_output_projection
 
     @property
     def num_kv_heads(self) -> int:
@@ -71,6 +89,13 @@ class EvictionPolicy(ABC):
     needs_queries: ClassVar[bool] = False
     needs_moments: ClassVar[bool] = False
     """Scores with the statistics of the evicted tokens (``moment_correction``)."""
+    needs_rotary: ClassVar[bool] = False
+    """Scores with the model's RoPE frequencies (:class:`RotaryFrequencies`)."""
+    needs_output_projection: ClassVar[bool] = False
+    """Scores with the layer's output projection, per query head."""
+    default_observation_window: ClassVar[int] = 32
+    """Recent queries the policy reads when the config sets no
+    ``observation_window``."""
     default_prefill_mode: ClassVar[str] = "per_chunk"
     """Query-based scorers default to ``end_of_prompt`` so that the question at
     the end of the prompt chooses what stays (measured: SnapKV found 0/6
@@ -104,6 +129,18 @@ class EvictionPolicy(ABC):
             scores = scores.masked_fill(~live, float("-inf"))
         return scores
 
+    def refine_scores(
+        self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The scores each head's top-``counts[h]`` selection keeps by, once the
+        allocation has fixed the counts from :meth:`masked_scores`.
+
+        The identity for single-score policies; a two-stage selection whose
+        stages depend on a head's budget (criticalkv) overrides it. ``+inf``
+        and ``-inf`` entries of ``scores`` must keep their meaning.
+        """
+        return scores
+
     def select(
         self,
         inputs: ScoringInputs,
@@ -126,6 +163,8 @@ class EvictionPolicy(ABC):
                 .expand(num_heads, num_live)
             )
         scores = self.masked_scores(inputs, num_sink, num_recent, point)
+        counts = torch.full((num_heads,), num_keep, dtype=torch.long, device=scores.device)
+        scores = self.refine_scores(inputs, scores, counts)
         # A stable sort breaks ties (common after SnapKV's max pooling) by slot
         # order, so every implementation keeps the same tokens; topk's
         # tie-breaking is unspecified.

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
+from vllm_kvevict.policies.snapkv import SnapKVPolicy
+
+BASES: dict[str, type[EvictionPolicy]] = {
+    "snapkv": SnapKVPolicy,
+    "expected_attention": ExpectedAttentionPolicy,
+}
+
+
+def projected_value_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
+    """``mean over the group's query heads of ‖v_j W_O[hq]‖₁``, ``[H, S]`` fp32.
+
+    ``values [H, S, D]``; ``output_projection [Hq, D, d_model]``: query head
+    ``hq``'s rows of the layer's output projection (``o_proj.weight.T``).
+    One KV head at a time bounds the ``[G, S, d_model]`` intermediate.
+    """
+    num_kv_heads = values.shape[0]
+    group = output_projection.shape[0] // num_kv_heads
+    norms = []
+    for h in range(num_kv_heads):
+        slices = output_projection[h * group : (h + 1) * group].float()  # [G, D, M]
+        projected = torch.einsum("sd,gdm->gsm", values[h].float(), slices)
+        norms.append(projected.abs().sum(-1).mean(0))
+    return torch.stack(norms)
+
+
+@dataclass
+class CriticalKVPolicy(EvictionPolicy):
+    """CriticalKV (Feng et al., 2025, "Identify Critical KV Cache in LLM
+    Inference from an Output Perturbation Perspective", Alg. 1-2): choose the
+    tokens that bound the perturbation of the attention block's *output*
+    ``A V W_O``, not only its attention weights.
+
+    A drop-in for the top-k of an attention-score method (``base``: SnapKV's
+    pooled window attention, or Expected Attention's expected attention).
+    With ``b`` the tokens a head keeps (uniform, or AdaKV's split, which is
+    made on the base scores alone):
+
+    1. stage 1 keeps the top ``⌊first_stage_ratio · b⌋`` by base score, so the
+       kept attention mass exceeds one half and the bound's coefficient
+       ``2 - 1/ρ`` is positive (Assumption 3.4); sinks and the recent window
+       are part of this stage, as in the authors' code;
+    2. stage 2 fills the rest by ``(A_j + ε) ‖v_j W_O‖₁`` (footnote 3), the
+       norm averaged over the query heads of the group.
+    """
+
+    name = "criticalkv"
+    needs_queries = True
+    needs_output_projection = True
+    default_prefill_mode = "end_of_prompt"
+    base: Literal["snapkv", "expected_attention"] = "snapkv"
+    base_options: dict[str, Any] = field(default_factory=dict)
+    first_stage_ratio: float = 0.5
+    epsilon: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.base not in BASES:
+            raise ValueError(
+                f"criticalkv base must be one of {', '.join(BASES)}, got {self.base!r}"
+            )
+        if not 0.0 <= self.first_stage_ratio <= 1.0:
+            raise ValueError(
+                f"criticalkv first_stage_ratio must be in [0, 1], got {self.first_stage_ratio}"
+            )
+        self.base_policy = BASES[self.base](**self.base_options)
+
+    @property
+    def needs_rotary(self) -> bool:  # type: ignore[override]
+        return self.base_policy.needs_rotary
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        return self.base_policy.score(inputs)
+
+    def refine_scores(
+        self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        assert inputs.output_projection is not None, "criticalkv needs the output projection"
+        stage_one = (counts.float() * self.first_stage_ratio).floor().long()
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        first = rank < stage_one[:, None]
+        norms = projected_value_norms(inputs.values, inputs.output_projection)
+        refined = (scores.float() + self.epsilon) * norms
+        refined = refined.masked_fill(first | (scores == float("inf")), float("inf"))
+        return refined.masked_fill(scores == float("-inf"), float("-inf"))

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.rope import averaged_rotation, unrotate
+
+
+@dataclass
+class ExpectedAttentionPolicy(EvictionPolicy):
+    """Expected Attention (Devoto et al., 2025, "Expected Attention: KV Cache
+    Compression by Estimating Attention from Future Queries Distribution"):
+    score a token by the attention the *next* ``num_future`` queries are
+    expected to pay it, with queries modelled as a Gaussian.
+
+    Per query head, from the pre-RoPE queries of the observation window
+    (cached queries are post-RoPE; RoPE is undone exactly) with mean ``μ`` and
+    biased covariance ``Σ``, and ``R̄`` the RoPE rotation averaged over
+    positions ``t+1 .. t+T`` (Eq. 6, closed form)::
+
+        log ẑ_i = s μ̄ᵀk_i + s² k_iᵀ Σ̄ k_i / 2      μ̄ = R̄μ, Σ̄ = R̄ΣR̄ᵀ   (Eq. 7)
+        â_i     = softmax_i(log ẑ_i)                                   (Eq. 8)
+        score_i = (mean over the group's query heads of â_i + ε) ‖v_i‖    (Eq. 9)
+
+    ``s`` is the model's softmax scale (1/√d in the paper). As in the
+    authors' kvpress code, the first ``num_sink`` tokens are left out of the
+    softmax and of the statistics and always kept. The value norm ‖v‖
+    replaces ‖W_O v‖ as in all the paper's experiments.
+    """
+
+    name = "expected_attention"
+    needs_queries = True
+    needs_rotary = True
+    default_prefill_mode = "end_of_prompt"
+    default_observation_window = 128  # the paper's buffer of recent hidden states
+    epsilon: float = 0.02
+    num_future: int = 512
+    num_sink: int = 4
+    use_covariance: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epsilon < 0:
+            raise ValueError(f"expected_attention epsilon must be >= 0, got {self.epsilon}")
+        if self.num_future < 1:
+            raise ValueError(f"expected_attention num_future must be >= 1, got {self.num_future}")
+        if self.num_sink < 0:
+            raise ValueError(f"expected_attention num_sink must be >= 0, got {self.num_sink}")
+
+    def expected_probs(self, inputs: ScoringInputs) -> torch.Tensor:
+        """``â`` of Eq. 8 per query head, ``[Hq, S]`` float64; sinks and padding 0."""
+        assert inputs.queries is not None and inputs.query_positions is not None
+        assert inputs.rotary is not None, "expected_attention needs the model's RoPE"
+        num_kv_heads, _, head_dim = inputs.keys.shape
+        num_q_heads = inputs.queries.shape[0]
+        group = num_q_heads // num_kv_heads
+        stats = inputs.query_positions >= self.num_sink
+        queries = unrotate(
+            inputs.queries[:, stats], inputs.query_positions[stats], inputs.rotary
+        )  # [Hq, m, D]
+        num_queries = queries.shape[1]
+        mean = queries.mean(dim=1) if num_queries else queries.new_zeros(num_q_heads, head_dim)
+        last = int(inputs.query_positions.max())
+        rotation = averaged_rotation(inputs.rotary, last, self.num_future)
+        mean_bar = mean @ rotation.T  # [Hq, D]
+        keys = inputs.keys.double().repeat_interleave(group, dim=0)  # [Hq, S, D]
+        logits = inputs.scale * torch.einsum("hd,hsd->hs", mean_bar, keys)
+        if self.use_covariance and num_queries:
+            centred = queries - mean[:, None]
+            cov = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
+            cov_bar = rotation @ cov @ rotation.T
+            logits = logits + inputs.scale**2 / 2 * torch.einsum(
+                "hsd,hde,hse->hs", keys, cov_bar, keys
+            )
+        positions = inputs.key_positions.repeat_interleave(group, dim=0)
+        excluded = (positions < self.num_sink) | (positions >= PADDING_POSITION)
+        probs = torch.softmax(logits.masked_fill(excluded, float("-inf")), dim=-1)
+        return probs.nan_to_num(0.0)  # a head with nothing to score
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        num_kv_heads = inputs.keys.shape[0]
+        probs = self.expected_probs(inputs)
+        grouped = probs.view(num_kv_heads, -1, probs.shape[-1]).mean(dim=1)  # [H, S]
+        scores = (grouped + self.epsilon) * inputs.values.double().norm(dim=-1)
+        return scores.masked_fill(inputs.key_positions < self.num_sink, float("inf"))
