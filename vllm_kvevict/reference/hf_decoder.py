@@ -33,6 +33,7 @@ from vllm_kvevict.policies.base import (
     PADDING_POSITION,
     EvictedMoments,
     EvictionPolicy,
+    RotaryFrequencies,
     ScoringInputs,
 )
 from vllm_kvevict.schedule import EvictionSchedule
@@ -236,7 +237,7 @@ class ReferenceEvictingDecoder:
             out = self._attend(q, store, step_pos, scale)
 
         if self.config is not None:
-            self._evict(store, step, scale)
+            self._evict(store, step, scale, self._model_parts(module))
             # Future eviction points are > n_after, so they only look at
             # queries at positions >= n_after - observation_window.
             keep_q = store.query_positions >= step.n_after - self.config.observation_window
@@ -297,7 +298,25 @@ class ReferenceEvictingDecoder:
 
     # ---------------------------------------------------------------- eviction
 
-    def _evict(self, store: _LayerStore, step: _Step, scale: float) -> None:
+    def _model_parts(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The model parts the policy scores with, read from transformers'
+        modules (independently of how the plugin finds them in vLLM)."""
+        assert self.policy is not None
+        parts: dict[str, Any] = {}
+        if self.policy.needs_rotary:
+            rotary = self.model.model.rotary_emb
+            parts["rotary"] = RotaryFrequencies(
+                rotary.inv_freq.double().cpu(), True, float(rotary.attention_scaling)
+            )
+        if self.policy.needs_output_projection:
+            weight = module.o_proj.weight.detach()  # [d_model, Hq * D]
+            num_q_heads = self.model.config.num_attention_heads
+            parts["output_projection"] = weight.t().reshape(num_q_heads, -1, weight.shape[0])
+        return parts
+
+    def _evict(
+        self, store: _LayerStore, step: _Step, scale: float, parts: dict[str, Any]
+    ) -> None:
         assert self.config is not None and self.schedule is not None and self.policy is not None
         assert store.keys is not None and store.values is not None and store.positions is not None
         assert store.query_history is not None and store.query_positions is not None
@@ -314,7 +333,7 @@ class ReferenceEvictingDecoder:
         if self.config.uses_head_pages:
             frontier_before = self.schedule.frontier(step.n_before, step.prompt_len)
             if frontier > frontier_before:
-                self._evict_head_pages(store, point, frontier, scale)
+                self._evict_head_pages(store, point, frontier, scale, parts)
             return
         num_keep = point - frontier
 
@@ -338,6 +357,7 @@ class ReferenceEvictingDecoder:
             queries=store.query_history[:, obs] if needs_q else None,
             query_positions=store.query_positions[obs] if needs_q else None,
             scale=scale,
+            **parts,
         )
         kept = self.policy.select(
             inputs, num_keep, self.config.sink_tokens, self.config.recent_window, point
@@ -354,7 +374,7 @@ class ReferenceEvictingDecoder:
         store.positions = keep(store.positions)
 
     def _evict_head_pages(
-        self, store: _LayerStore, point: int, frontier: int, scale: float
+        self, store: _LayerStore, point: int, frontier: int, scale: float, parts: dict[str, Any]
     ) -> None:
         """head_pages storage: the layer keeps ``H * (point // bs - frontier // bs)``
         whole pages of tokens, split across heads by the allocation."""
@@ -396,13 +416,14 @@ class ReferenceEvictingDecoder:
             query_positions=store.query_positions[obs] if needs_q else None,
             scale=scale,
             evicted=moments,
+            **parts,
         )
         scores = self.policy.masked_scores(
             inputs, self.config.sink_tokens, self.config.recent_window, point, live
         )
         total_pages = num_heads * (point // bs - frontier // bs)
         counts = allocate_head_tokens(self.config.build_allocation(), scores, total_pages, bs)
-        kept = select_top(scores, counts)  # [H, K] padded with -1
+        kept = select_top(self.policy.refine_scores(inputs, scores, counts), counts)  # -1 padded
         if store.evicted_keys is None:
             store.evicted_keys = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads
             store.evicted_values = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads

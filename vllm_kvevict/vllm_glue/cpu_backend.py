@@ -56,7 +56,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
-from vllm_kvevict.policies import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies import EvictionPolicy, RotaryFrequencies, ScoringInputs
 from vllm_kvevict.policies.base import EvictedMoments
 from vllm_kvevict.policies.allocation import HeadAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
@@ -69,9 +69,11 @@ from vllm_kvevict.vllm_glue.cpu_head_pages import (
     block_head_pages,
 )
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
 from vllm_kvevict.vllm_glue.runner_hooks import (
     current_batch,
     install_runner_hooks,
+    layer_neighbours,
     on_requests_finished,
 )
 from vllm_kvevict.vllm_glue.spec import (
@@ -191,6 +193,7 @@ class EvictionStepPlan:
     schedule: EvictionSchedule
     state: WorkerEvictionState
     layer_index: dict[str, int]
+    layer_names: list[str]  # by layer index
     kv_head_replicas: int  # ranks holding a copy of each of this rank's KV heads
     first_replica_rank: int
     page_layout: PageLayout
@@ -268,6 +271,13 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         # consecutive ranks (see _whole_query_group); fixed for the worker's life.
         total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.kv_head_replicas = max(1, world_size // total_kv_heads)
+        if self.policy.needs_output_projection and self.kv_head_replicas > 1:
+            raise KVEvictionConfigError(
+                f"policy {config.policy!r} reads each query head's output projection, and "
+                f"with tensor parallel size {world_size} above the model's {total_kv_heads} "
+                "KV heads a rank holds only part of a KV head's query heads; use a tensor "
+                f"parallel size of at most {total_kv_heads}"
+            )
         self.first_replica_rank = rank // self.kv_head_replicas * self.kv_head_replicas
         # Every rank applies the same evictions: rank 0 alone reports them (a
         # series exported twice with the same labels would be invalid), each
@@ -394,6 +404,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             schedule=schedule,
             state=self.state,
             layer_index=self.layer_index,
+            layer_names=list(self.layer_index),
             kv_head_replicas=self.kv_head_replicas,
             first_replica_rank=self.first_replica_rank,
             page_layout=self.page_layout,
@@ -483,6 +494,34 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         global _worker_vllm_config
         super().__init__(*args, **kwargs)
         _worker_vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
+        # What this layer's policy reads from the model, found at first use.
+        self._rotary: RotaryFrequencies | None = None
+        self._output_projection: torch.Tensor | None = None
+
+    def _scoring_inputs(
+        self,
+        plan: EvictionStepPlan,
+        layer_index: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        queries: torch.Tensor | None,
+        query_positions: torch.Tensor | None,
+        evicted: EvictedMoments | None = None,
+    ) -> ScoringInputs:
+        """What the policy scores with, plus the model parts it asks for."""
+        policy, name = plan.policy, plan.layer_names[layer_index]
+        if policy.needs_rotary and self._rotary is None:
+            self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
+        if policy.needs_output_projection and self._output_projection is None:
+            self._output_projection = output_projection_slices(
+                layer_neighbours(name), name, self.num_heads, self.head_size
+            )
+        return ScoringInputs(
+            keys, values, positions, queries, query_positions, self.scale, evicted,
+            rotary=self._rotary if policy.needs_rotary else None,
+            output_projection=self._output_projection if policy.needs_output_projection else None,
+        )
 
     def forward(
         self,
@@ -648,9 +687,9 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 summary.count[row], summary.key_mean[row], summary.value_mean[row],
                 summary.cross_cov[row],
             )
-        inputs = ScoringInputs(
-            tokens.keys, tokens.values, tokens.positions, queries, query_positions, self.scale,
-            moments,
+        inputs = self._scoring_inputs(
+            plan, layer_index, tokens.keys, tokens.values, tokens.positions, queries,
+            query_positions, moments,
         )
         scores = plan.policy.masked_scores(
             inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
@@ -659,7 +698,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         free_pages = block_head_pages(kept_blocks, cache.num_heads)
         total_pages = free_pages.numel()
         counts = allocate_head_tokens(plan.allocation, scores, total_pages, bs)
-        kept = select_top(scores, counts)
+        kept = select_top(plan.policy.refine_scores(inputs, scores, counts), counts)
         counts_list = counts.tolist()
         new_pages = assign_pages(free_pages, counts_list, bs)
         for h, count in enumerate(counts_list):
@@ -809,7 +848,9 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
         num_keep = ev.point - ev.frontier_after
         kept = plan.policy.select(
-            ScoringInputs(keys, values, positions, queries, query_positions, self.scale),
+            self._scoring_inputs(
+                plan, layer_index, keys, values, positions, queries, query_positions
+            ),
             num_keep,
             config.sink_tokens,
             config.recent_window,

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from vllm_kvevict.vllm_glue.layer_neighbours import LayerNeighbours, find_layer_neighbours
+
 
 @dataclass(frozen=True)
 class BatchContext:
@@ -34,6 +36,7 @@ class BatchContext:
 
 
 _current: BatchContext | None = None
+_neighbours: dict[str, LayerNeighbours] | None = None
 _finished_listeners: list[Callable[[set[str]], None]] = []
 _installed = False
 
@@ -41,6 +44,12 @@ _installed = False
 def current_batch() -> BatchContext | None:
     """The real batch being built now; None during vLLM's dummy/profile runs."""
     return _current
+
+
+def layer_neighbours(layer_name: str) -> LayerNeighbours | None:
+    """The output projection and rotary embedding beside an attention layer
+    of the loaded model (found at the first real step)."""
+    return (_neighbours or {}).get(layer_name)
 
 
 def on_requests_finished(listener: Callable[[set[str]], None]) -> None:
@@ -64,7 +73,9 @@ def install_runner_hooks() -> None:
 
     @functools.wraps(build_metadata)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _current
+        global _current, _neighbours
+        if _neighbours is None:
+            _neighbours = find_layer_neighbours(self.get_model())
         num_reqs = kwargs.get("num_reqs", args[1] if len(args) > 1 else None)
         # Real steps pass the scheduler's per-request token counts; dummy and
         # profiling runs do not, and must never evict.

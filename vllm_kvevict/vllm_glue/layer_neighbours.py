@@ -1,0 +1,106 @@
+"""What some policies need from the model besides the attention layer: its
+output projection (criticalkv's ‖v W_O‖) and its rotary embedding
+(expected_attention's future-position average).
+
+vLLM's attention layer sees neither, so we find them beside it in the model
+vLLM loaded: a decoder's attention module holds ``attn`` (vLLM's
+``Attention``), ``o_proj`` and ``rotary_emb`` (Llama, Mistral, Qwen2/3 and
+most others). A model laid out otherwise, or with a quantized output
+projection, gets an error naming the policy, not a wrong score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.config import KVEvictionConfigError
+from vllm_kvevict.policies import RotaryFrequencies
+
+
+@dataclass
+class LayerNeighbours:
+    output_projection: torch.nn.Module | None
+    rotary_embedding: torch.nn.Module | None
+
+
+def find_layer_neighbours(model: torch.nn.Module) -> dict[str, LayerNeighbours]:
+    """Each attention layer's (by vLLM layer name) output projection and rotary
+    embedding, from the module that holds it."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    found: dict[str, LayerNeighbours] = {}
+    for module in model.modules():
+        attention = getattr(module, "attn", None)
+        if isinstance(attention, Attention):
+            found[attention.layer_name] = LayerNeighbours(
+                getattr(module, "o_proj", None), getattr(module, "rotary_emb", None)
+            )
+    return found
+
+
+def output_projection_slices(
+    neighbours: LayerNeighbours | None, layer_name: str, num_q_heads: int, head_dim: int
+) -> torch.Tensor:
+    """``[Hq, D, d_model]``: each local query head's rows of ``W_O = o_proj.weight.T``.
+
+    The output projection is row-parallel, so under tensor parallelism a
+    rank's shard holds exactly its own heads' rows.
+    """
+    module = neighbours.output_projection if neighbours else None
+    columns = num_q_heads * head_dim
+    weight = getattr(module, "weight", None)
+    projection = None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == columns:
+        projection = weight.detach().t()
+    elif module is not None and hasattr(module, "quant_method"):
+        # vLLM's CPU platform repacks linear weights for oneDNN and drops
+        # .weight; the rows of W_O are what the layer's own matmul makes of
+        # the identity (exact: one non-zero term per output).
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        with torch.no_grad():
+            identity = torch.eye(columns, dtype=dtype)
+            projection = module.quant_method.apply(module, identity, None)
+    if projection is None or projection.dim() != 2 or projection.shape[0] != columns:
+        raise KVEvictionConfigError(
+            f"criticalkv scores with the attention output projection, and layer "
+            f"{layer_name} has no o_proj of {num_q_heads} x {head_dim} input columns beside "
+            f"it (found {type(module).__name__ if module is not None else 'none'}); choose "
+            "another policy for this model"
+        )
+    return projection.float().reshape(num_q_heads, head_dim, projection.shape[1])
+
+
+def rotary_frequencies(
+    neighbours: LayerNeighbours | None, layer_name: str, head_dim: int
+) -> RotaryFrequencies:
+    """The layer's RoPE as :class:`RotaryFrequencies`, checked against the
+    cos/sin table vLLM rotates with, so a scaling we do not model fails here."""
+    rope = neighbours.rotary_embedding if neighbours else None
+    problem = None
+    if rope is None or not hasattr(rope, "cos_sin_cache") or not hasattr(rope, "base"):
+        problem = f"no rotary embedding beside it (found {type(rope).__name__})"
+    elif getattr(rope, "rotary_dim", None) != head_dim:
+        problem = f"partial rotary ({rope.rotary_dim} of {head_dim} dimensions)"
+    else:
+        try:
+            inv_freq = rope._compute_inv_freq(rope.base).double().cpu()
+        except TypeError:  # scalings whose frequencies take other arguments
+            inv_freq = None
+        cache = rope.cos_sin_cache.double().cpu()
+        scaling = float(cache[0, 0])  # cos(0) times the rotary's attention scaling
+        if inv_freq is None or inv_freq.numel() != head_dim // 2:
+            problem = f"a rotary embedding of kind {type(rope).__name__}"
+        else:
+            probe = torch.tensor([1, cache.shape[0] // 2, cache.shape[0] - 1]).double()
+            expected = scaling * torch.cos(probe[:, None] * inv_freq)
+            if not torch.allclose(cache[probe.long(), : head_dim // 2], expected, atol=1e-3):
+                problem = f"a rotary embedding of kind {type(rope).__name__}"
+    if problem is not None:
+        raise KVEvictionConfigError(
+            f"expected_attention models future queries through the model's RoPE, and "
+            f"layer {layer_name} has {problem}, which it does not support yet; choose "
+            "another policy for this model"
+        )
+    return RotaryFrequencies(inv_freq, bool(rope.is_neox_style), scaling)
