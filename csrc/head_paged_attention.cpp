@@ -274,6 +274,9 @@ struct OffsetTable {
   PageOrder order;
 };
 
+// Rank of the summary's value x key cross-covariance C (see evicted_summary.py).
+enum class CovMode { kNone, kDiagonal, kFull };
+
 struct Params {
   int64_t D, bs, G, Hq, H;
   int64_t page_elems;  // bs * D: a K (or V) page
@@ -284,6 +287,8 @@ struct Params {
   const float* key_mean = nullptr;
   const float* value_mean = nullptr;
   const float* cross_cov = nullptr;
+  CovMode cov_mode = CovMode::kFull;
+  int64_t cov_elems = 0;  // floats of C per (row, head): D * D, D or 0
   float* out;
   int64_t out_s0, out_s1;
   float* lse;
@@ -440,11 +445,12 @@ inline void softmax_update(float* __restrict s, float mx, const float* __restric
 }
 
 // The summary's partial state of one pre-scaled query row:
-// m = lse_E = log n + q . k̄, l = 1, acc = o_E = v̄ + C q / max(n, 1).
+// m = lse_E = log n + q . k̄, l = 1, acc = o_E = v̄ + C q / max(n, 1), where
+// C q is a mat-vec (full), diag(C) ⊙ q (diagonal) or absent (none).
 template <int DT>
 inline void summary_state(const float* __restrict q, float n, const float* __restrict kbar,
-                          const float* __restrict vbar, const float* __restrict C, int64_t D_rt,
-                          float& m, float& l, float* __restrict acc) {
+                          const float* __restrict vbar, const float* __restrict C, CovMode mode,
+                          int64_t D_rt, float& m, float& l, float* __restrict acc) {
   const int64_t D = DT > 0 ? DT : D_rt;
   const float inv_n = 1.0f / std::max(n, 1.0f);
   float qk = 0.0f;
@@ -458,17 +464,26 @@ inline void summary_state(const float* __restrict q, float n, const float* __res
     }
     qk = hsum(a);
     for (int64_t dv = 0; dv < DT; dv += kLanes) {  // C's rows are value dims
-      const vf16 cq = dots16<DT>(qv, C + dv * DT, kLanes);
+      vf16 cq{};
+      if (mode == CovMode::kFull) {
+        cq = dots16<DT>(qv, C + dv * DT, kLanes);
+      } else if (mode == CovMode::kDiagonal) {
+        cq = vload(C + dv) * qv[dv / kLanes];
+      }
       vstore(acc + dv, vload(vbar + dv) + cq * inv_n);
     }
   } else {
 #pragma omp simd reduction(+ : qk)
     for (int64_t d = 0; d < D; ++d) qk += q[d] * kbar[d];
     for (int64_t dv = 0; dv < D; ++dv) {
-      const float* c = C + dv * D;
       float cq = 0.0f;
+      if (mode == CovMode::kFull) {
+        const float* c = C + dv * D;
 #pragma omp simd reduction(+ : cq)
-      for (int64_t dk = 0; dk < D; ++dk) cq += c[dk] * q[dk];
+        for (int64_t dk = 0; dk < D; ++dk) cq += c[dk] * q[dk];
+      } else if (mode == CovMode::kDiagonal) {
+        cq = C[dv] * q[dv];
+      }
       acc[dv] = vbar[dv] + cq * inv_n;
     }
   }
@@ -559,7 +574,8 @@ void run_item(const Params& P, const Group& g, int64_t chunk, const Segment* seg
     if (n > 0.0f) {
       for (int64_t r = 0; r < rows; ++r) {
         summary_state<DT>(q + r * D, n, P.key_mean + sh * D, P.value_mean + sh * D,
-                          P.cross_cov + sh * D * D, D, m[r], l[r], acc + r * D);
+                          P.cross_cov + sh * P.cov_elems, P.cov_mode, D, m[r], l[r],
+                          acc + r * D);
       }
     }
   }
@@ -862,9 +878,21 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                     km.size(2) == D,
                 "summary key_mean must be [N, H, D]");
     TORCH_CHECK(vm.sizes() == km.sizes(), "summary value_mean must be [N, H, D]");
-    TORCH_CHECK(cc.dim() == 4 && cc.size(0) == num_summary_rows && cc.size(1) == H &&
-                    cc.size(2) == D && cc.size(3) == D,
-                "summary cross_cov must be [N, H, D, D]");
+    TORCH_CHECK(cc.dim() >= 3 && cc.size(0) == num_summary_rows && cc.size(1) == H,
+                "summary cross_cov must be [N, H, ...]");
+    if (cc.dim() == 4 && cc.size(2) == D && cc.size(3) == D) {
+      P.cov_mode = CovMode::kFull;
+      P.cov_elems = D * D;
+    } else if (cc.dim() == 3 && cc.size(2) == D) {
+      P.cov_mode = CovMode::kDiagonal;
+      P.cov_elems = D;
+    } else if (cc.dim() == 3 && cc.size(2) == 0) {
+      P.cov_mode = CovMode::kNone;
+      P.cov_elems = 0;
+    } else {
+      TORCH_CHECK(false, "summary cross_cov must be [N, H, D, D] (full), [N, H, D] (diagonal) "
+                  "or [N, H, 0] (none)");
+    }
     TORCH_CHECK(summary_rows->numel() == R, "summary_rows must have R entries");
     srows = int_view(*summary_rows, "summary_rows");
     P.count = c.data_ptr<float>();

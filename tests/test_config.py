@@ -34,9 +34,13 @@ FIELDS = [
     "head_budget",
     "head_budget_floor",
     "moment_correction",
+    "moment_covariance",
     "storage",
 ]
-POLICY_NAMES = ["keydiff", "knorm", "momentkv", "snapkv", "streamingllm", "tova"]
+POLICY_NAMES = [
+    "criticalkv", "expected_attention", "h2o", "keydiff", "knorm", "momentkv",
+    "random", "snapkv", "streamingllm", "tova",
+]
 
 SETTINGS = {
     "policy": "snapkv",
@@ -54,6 +58,7 @@ SETTINGS = {
     "head_budget": "adaptive",
     "head_budget_floor": 0.3,
     "moment_correction": True,
+    "moment_covariance": "diagonal",
     "storage": "head_pages",
 }
 YAML_TEXT = """\
@@ -74,6 +79,7 @@ cpu_attention: torch
 head_budget: adaptive
 head_budget_floor: 0.3
 moment_correction: true
+moment_covariance: diagonal
 storage: head_pages
 """
 
@@ -128,6 +134,7 @@ def test_defaults_and_no_flags():
         "head_budget": "uniform",
         "head_budget_floor": 0.2,
         "moment_correction": False,
+        "moment_covariance": "full",
         "storage": None,
     }
 
@@ -363,6 +370,9 @@ def test_head_pages_storage_resolution():
         build_config({**base, "storage": "slots", "head_budget": "adaptive"})
     with pytest.raises(KVEvictionConfigError, match="head_budget_floor"):
         build_config({**base, "head_budget_floor": 1.5})
+    with pytest.raises(KVEvictionConfigError, match="set moment_correction: true"):
+        build_config({**base, "moment_covariance": "diagonal"})
+    assert build_config({"policy": "momentkv", "moment_covariance": "none"}).moment_correction
 
 
 def test_head_pages_budget_must_hold_protected_tokens_in_whole_blocks():

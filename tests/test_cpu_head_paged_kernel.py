@@ -178,9 +178,11 @@ def make_case(
     rows = None
     if summary != "none":
         num_rows = num_requests + 2
-        summaries = EvictedSummary.zeros(num_rows, num_heads, dim)
+        # "random[-diagonal|-none]": the summary's covariance rank (default full).
+        covariance = summary.split("-")[1] if "-" in summary else "full"
+        summaries = EvictedSummary.zeros(num_rows, num_heads, dim, covariance=covariance)
         row_of = torch.randperm(num_rows, generator=gen)[:num_requests]
-        if summary == "random":
+        if summary.startswith("random"):
             for r in range(num_requests):
                 for h in range(num_heads):
                     n = int(torch.randint(0, 40, (1,), generator=gen))
@@ -284,6 +286,11 @@ SHAPES = [
     (4, 64, 16, torch.float16, "vec", "random", False),
     (2, 80, 16, torch.float32, "shuffled", "random", False),
     (2, 80, 16, torch.bfloat16, "vec16", "random", True),
+    (4, 64, 16, torch.float32, "vec", "random-diagonal", True),
+    (3, 64, 32, torch.bfloat16, "amx", "random-diagonal", False),
+    (2, 80, 16, torch.float32, "shuffled", "random-diagonal", True),
+    (2, 128, 32, torch.float32, "vec", "random-none", True),
+    (3, 64, 16, torch.bfloat16, "vec", "random-none", False),
 ]
 
 

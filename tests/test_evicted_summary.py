@@ -31,14 +31,15 @@ def _corrected(q, kept_k, kept_v, summary, scale):
     return merge_partial_states(out, lse, e_out, e_lse)[0]
 
 
+@pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])
 @pytest.mark.parametrize("seed", range(5))
-def test_statistics_after_k_folds_equal_from_scratch(seed):
+def test_statistics_after_k_folds_equal_from_scratch(seed, covariance):
     gen = torch.Generator().manual_seed(seed)
     dim = 16
     batches = [torch.randint(1, 9, (1,), generator=gen).item() for _ in range(6)]
     keys = [torch.randn(n, dim, generator=gen, dtype=torch.float64) * 3 + 5 for n in batches]
     values = [torch.randn(n, dim, generator=gen, dtype=torch.float64) - 2 for n in batches]
-    summary = EvictedSummary.zeros(2, 2, dim)
+    summary = EvictedSummary.zeros(2, 2, dim, covariance=covariance)
     for k, v in zip(keys, values):
         fold_evicted_reference(summary, 1, 1, k.float(), v.float())
     k_all, v_all = torch.cat(keys), torch.cat(values)
@@ -47,19 +48,48 @@ def test_statistics_after_k_folds_equal_from_scratch(seed):
     assert float(summary.count[1, 1]) == n
     assert torch.allclose(summary.key_mean[1, 1].double(), k_all.mean(0), atol=1e-5)
     assert torch.allclose(summary.value_mean[1, 1].double(), v_all.mean(0), atol=1e-5)
-    assert torch.allclose(summary.cross_cov[1, 1].double(), s_tilde, atol=1e-3 * n)
+    want = {"full": s_tilde, "diagonal": s_tilde.diagonal(), "none": s_tilde.new_zeros(0)}[covariance]
+    assert summary.covariance == covariance
+    assert summary.cross_cov[1, 1].shape == want.shape
+    assert torch.allclose(summary.cross_cov[1, 1].double(), want, atol=1e-3 * n)
     assert float(summary.count[0].abs().sum() + summary.cross_cov[0].abs().sum()) == 0.0
+    per_head = {"full": 1 + 2 * dim + dim * dim, "diagonal": 1 + 3 * dim, "none": 1 + 2 * dim}
+    assert summary.bytes_per_row == 2 * 4 * per_head[covariance]  # 2 heads, fp32
 
 
+@pytest.mark.parametrize("covariance", ["diagonal", "none"])
+def test_reduced_covariance_partial_state_is_the_papers_model_with_reduced_c(covariance):
+    """o_E = v̄ + τ diag(C) ⊙ q / n (diagonal) or v̄ (none, the zeroth-order
+    ablation of A2.9), from the raw evicted tokens in fp64; lse_E unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    dim, scale = 32, 1 / math.sqrt(32)
+    keys = torch.randn(23, dim, generator=gen, dtype=torch.float64)
+    values = torch.randn(23, dim, generator=gen, dtype=torch.float64) + keys * 0.5
+    q = torch.randn(5, dim, generator=gen, dtype=torch.float64)
+    summary = EvictedSummary.zeros(1, 1, dim, covariance=covariance)
+    fold_evicted_reference(summary, 0, 0, keys[:10].float(), values[:10].float())
+    fold_evicted_reference(summary, 0, 0, keys[10:].float(), values[10:].float())
+    out, lse = summary_partial_state(
+        q.float(), summary.count[0, 0], summary.key_mean[0, 0], summary.value_mean[0, 0],
+        summary.cross_cov[0, 0], scale,
+    )
+    k_bar, v_bar = keys.mean(0), values.mean(0)
+    c_diag = ((values - v_bar) * (keys - k_bar)).sum(0)
+    want = v_bar + (scale * q * c_diag / 23 if covariance == "diagonal" else 0.0)
+    assert torch.allclose(out.double(), want.expand(5, dim), atol=1e-5)
+    assert torch.allclose(lse.double(), math.log(23) + scale * q @ k_bar, atol=1e-5)
+
+
+@pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])
 @pytest.mark.parametrize("seed", range(5))
-def test_correction_is_exact_when_evicted_keys_are_equal(seed):
+def test_correction_is_exact_when_evicted_keys_are_equal(seed, covariance):
     gen = torch.Generator().manual_seed(seed)
     dim, scale = 32, 1 / math.sqrt(32)
     keys = torch.randn(40, dim, generator=gen)
     values = torch.randn(40, dim, generator=gen)
     keys[25:] = keys[25]  # the evicted tokens share one key; values differ
     q = torch.randn(6, dim, generator=gen) * 2
-    summary = EvictedSummary.zeros(1, 1, dim)
+    summary = EvictedSummary.zeros(1, 1, dim, covariance=covariance)
     fold_evicted_reference(summary, 0, 0, keys[25:], values[25:])
     corrected = _corrected(q, keys[:25], values[:25], summary, scale)
     assert torch.allclose(corrected, _full_attention(q, keys, values, scale), atol=1e-5)
@@ -123,6 +153,7 @@ def test_correction_reduces_error_on_smollm2_keys_and_values(model_dir, tokenize
         model(input_ids=torch.tensor([ids]))
     scale = float(model.model.layers[0].self_attn.scaling)
     dropped, corrected_err = [], []
+    reduced: dict[str, list[float]] = {"full": [], "diagonal": [], "none": []}
     for layer, (q, k, v) in captured.items():
         group = q.shape[0] // k.shape[0]
         for h in range(k.shape[0]):
@@ -134,16 +165,23 @@ def test_correction_reduces_error_on_smollm2_keys_and_values(model_dir, tokenize
             order = torch.argsort(votes, descending=True)
             kept = torch.cat([order[: prefix // 2].sort().values, torch.arange(prefix, keys.shape[0])])
             evicted = order[prefix // 2 :]
-            summary = EvictedSummary.zeros(1, 1, keys.shape[1])
-            fold_evicted_reference(summary, 0, 0, keys[evicted], values[evicted])
             plain = torch.softmax(queries @ keys[kept].T * scale, -1) @ values[kept]
-            fixed = _corrected(queries, keys[kept], values[kept], summary, scale)
             dropped.append(float((plain - full).norm(dim=-1).mean()))
-            corrected_err.append(float((fixed - full).norm(dim=-1).mean()))
+            for covariance in ("full", "diagonal", "none"):
+                summary = EvictedSummary.zeros(1, 1, keys.shape[1], covariance=covariance)
+                fold_evicted_reference(summary, 0, 0, keys[evicted], values[evicted])
+                fixed = _corrected(queries, keys[kept], values[kept], summary, scale)
+                error = float((fixed - full).norm(dim=-1).mean())
+                reduced[covariance].append(error)
+            corrected_err.append(reduced["full"][-1])
     mean_dropped = sum(dropped) / len(dropped)
     mean_corrected = sum(corrected_err) / len(corrected_err)
     better = sum(c < d for c, d in zip(corrected_err, dropped))
     print(f"\nSmolLM2, {len(dropped)} (layer, KV head) pairs, half of 960 tokens evicted: mean "
           f"attention-output error dropped {mean_dropped:.4f}, corrected {mean_corrected:.4f} "
           f"({1 - mean_corrected / mean_dropped:.0%} lower; better in {better}/{len(dropped)} heads)")
+    for covariance, errors in reduced.items():
+        mean = sum(errors) / len(errors)
+        print(f"  covariance {covariance}: error {mean:.4f} ({1 - mean / mean_dropped:.0%} lower than dropping)")
+        assert mean < mean_dropped
     assert mean_corrected < mean_dropped

@@ -88,8 +88,10 @@ def _empty_cache(num_blocks: int, heads: int, page_size: int, head_dim: int, dty
 
 
 def _random_summary(gen: torch.Generator, rows: int, heads: int, head_dim: int, mode: str) -> EvictedSummary:
-    """``mode``: "zero" (nothing evicted yet) or "random" (some heads empty)."""
-    summary = EvictedSummary.zeros(rows, heads, head_dim, device=DEVICE)
+    """``mode``: "zero" (nothing evicted yet) or "random" (some heads empty),
+    with "-diagonal" or "-none" for a reduced covariance (default full)."""
+    mode, _, covariance = mode.partition("-")
+    summary = EvictedSummary.zeros(rows, heads, head_dim, device=DEVICE, covariance=covariance or "full")
     if mode == "random":
         count = torch.randint(0, 40, (rows, heads), generator=gen).float()
         count[torch.rand(rows, heads, generator=gen) < 0.25] = 0.0
@@ -98,7 +100,10 @@ def _random_summary(gen: torch.Generator, rows: int, heads: int, head_dim: int, 
         summary.key_mean.copy_(torch.randn(rows, heads, head_dim, generator=gen) * nonempty[..., None])
         summary.value_mean.copy_(torch.randn(rows, heads, head_dim, generator=gen) * nonempty[..., None])
         cov = torch.randn(rows, heads, head_dim, head_dim, generator=gen) * 0.05 * count[..., None, None]
-        summary.cross_cov.copy_(cov)
+        if covariance == "diagonal":
+            cov = cov.diagonal(dim1=-2, dim2=-1)
+        if covariance != "none":
+            summary.cross_cov.copy_(cov)
     return summary
 
 
@@ -254,6 +259,12 @@ ATTENTION_CASES = {
     ),
     "decode-g2-d32-fp16-splits": (
         2, 2, 32, 16, torch.float16, [(1, 33, 40), (1, 16, 100)], "random", False, 48, 5,
+    ),
+    "mixed-g2-d64-fp32-diagonal-summary-splits": (
+        2, 2, 64, 16, torch.float32, [(1, 40, 70), (5, 16, 30)], "random-diagonal", True, 40, 2,
+    ),
+    "decode-g4-d128-bf16-no-covariance-summary": (
+        2, 4, 128, 32, torch.bfloat16, [(1, 32, 35), (1, 10, 75)], "random-none", False, 70, 1,
     ),
 }
 
@@ -510,6 +521,8 @@ COMPACTION_CASES = {
     "bf16-d128-ps32-zero-summary": (2, 128, 32, torch.bfloat16, [[70, 64], [5, 41], [32, 0]], "zero", False),
     "fp32-d128-ps16-no-summary": (3, 128, 16, torch.float32, [[30, 45, 16], [3, 0, 60]], "none", False),
     "bf16-d64-ps16-summary-strided": (2, 64, 16, torch.bfloat16, [[100, 37], [48, 64]], "random", True),
+    "fp32-d64-ps16-diagonal-summary": (3, 64, 16, torch.float32, [[40, 17, 70], [16, 50, 8]], "random-diagonal", False),
+    "fp32-d128-ps32-no-covariance-summary": (2, 128, 32, torch.float32, [[70, 33], [5, 64]], "random-none", True),
 }
 
 

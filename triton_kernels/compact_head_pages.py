@@ -259,11 +259,14 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        DIAGONAL: tl.constexpr,
     ):
         """Program ((r, h), block of value dims): the centred cross-covariance of
         the evicted batch, ``C_B = Σ (v - v̄_B)(k - k̄_B)ᵀ`` for ``BLOCK_DV`` rows,
         Chan-merged into the stored rows:
         ``C += C_B + (n_A n_B / n)(v̄_B - v̄_A)(k̄_B - k̄_A)ᵀ``.
+        ``DIAGONAL``: the summary keeps only ``C_dd`` (``[N, H, D]``); the block
+        is computed whole and its diagonal added.
 
         Reads the stored means and count and leaves them for the scatter launch
         to update: every program of this grid still needs the old ones.
@@ -315,8 +318,13 @@ if triton is not None:
             + offs_dv[:, None] * stride_cov_r
             + offs_d[None, :] * stride_cov_c
         )
-        c_mask = dv_ok[:, None] & d_ok[None, :]
-        tl.store(cov_ptrs, tl.load(cov_ptrs, mask=c_mask, other=0.0) + cov, mask=c_mask)
+        if DIAGONAL:
+            diag = tl.sum(tl.where(offs_dv[:, None] == offs_d[None, :], cov, 0.0), 1)
+            diag_ptrs = cross_cov_ptr + row * stride_cov_n + head * stride_cov_h + offs_dv * stride_cov_r
+            tl.store(diag_ptrs, tl.load(diag_ptrs, mask=dv_ok, other=0.0) + diag, mask=dv_ok)
+        else:
+            c_mask = dv_ok[:, None] & d_ok[None, :]
+            tl.store(cov_ptrs, tl.load(cov_ptrs, mask=c_mask, other=0.0) + cov, mask=c_mask)
 
     @triton.jit
     def _fold_means_kernel(
@@ -500,6 +508,9 @@ def compact_head_pages(
             summary.value_mean.stride(0),
             summary.value_mean.stride(1),
         )
+        covariance = summary.covariance
+        cov_strides = (tuple(summary.cross_cov.stride()) + (0,))[:4]
+    if folding and covariance != "none":  # the zeroth-order summary keeps no C
         _fold_cross_cov_kernel[(rows, triton.cdiv(head_dim, block_dv))](
             key_cache,
             value_cache,
@@ -511,10 +522,11 @@ def compact_head_pages(
             src_tokens.stride(0),
             evicted_index.stride(0),
             *state_strides,
-            *summary.cross_cov.stride(),
+            *cov_strides,
             **common,
             BLOCK_DV=block_dv,
             BLOCK_T=block_t,
+            DIAGONAL=covariance == "diagonal",
             num_warps=4,
         )
 

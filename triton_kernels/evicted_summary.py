@@ -13,13 +13,47 @@ At attention time the summary is one more partial softmax state::
     o_E   = v̄ + τ C q / n
 
 merged with the retained tokens' ``(o_R, lse_R)`` like split-KV partials (A2.7).
+
+``C`` is stored at one of three ranks, read off ``cross_cov``'s shape:
+
+- full, ``[N, H, D, D]``: the paper's first-order correction, ``4 (D² + 2D + 1)``
+  bytes per (request, layer, KV head);
+- diagonal, ``[N, H, D]``: only ``C_dd`` (each value dim against its own key
+  dim), ``o_E = v̄ + τ diag(C) ⊙ q / n``; ``4 (3D + 1)`` bytes;
+- none, ``[N, H, 0]``: the zeroth-order ablation (A2.9, Table 4),
+  ``o_E = v̄``; ``4 (2D + 1)`` bytes (``k̄`` still weighs the evicted set).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+Covariance = Literal["full", "diagonal", "none"]
+
+
+def covariance_mode(cross_cov: torch.Tensor, head_dim: int) -> Covariance:
+    """Which rank of ``C`` a ``cross_cov`` buffer holds (trailing dims
+    ``[D, D]``, ``[D]`` or ``[0]``)."""
+    if cross_cov.shape[-1] == 0:
+        return "none"
+    if cross_cov.shape[-2:] == (head_dim, head_dim) and cross_cov.dim() >= 2:
+        return "full"
+    if cross_cov.shape[-1] == head_dim:
+        return "diagonal"
+    raise ValueError(f"cross_cov's trailing shape {tuple(cross_cov.shape)} is not [D, D], [D] or [0]")
+
+
+def cross_covariance_times(cross_cov: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``C q`` for one head's ``cross_cov`` (``[D, D]``, ``[D]`` or ``[0]``) and
+    queries ``[..., D]``."""
+    if cross_cov.shape[-1] == 0:
+        return torch.zeros_like(query)
+    if cross_cov.dim() == 1:
+        return query * cross_cov
+    return query @ cross_cov.T
 
 
 @dataclass
@@ -29,19 +63,29 @@ class EvictedSummary:
     count: torch.Tensor  # [N, H]
     key_mean: torch.Tensor  # [N, H, D]
     value_mean: torch.Tensor  # [N, H, D]
-    cross_cov: torch.Tensor  # [N, H, D, D]  Σ (v - v̄)(k - k̄)ᵀ
+    cross_cov: torch.Tensor  # [N, H, D, D], [N, H, D] or [N, H, 0]  Σ (v - v̄)(k - k̄)ᵀ
 
     @classmethod
     def zeros(
-        cls, rows: int, heads: int, head_dim: int, device: torch.device | str = "cpu"
+        cls,
+        rows: int,
+        heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        covariance: Covariance = "full",
     ) -> EvictedSummary:
         f32 = dict(dtype=torch.float32, device=device)
+        cov_shape = {"full": (head_dim, head_dim), "diagonal": (head_dim,), "none": (0,)}
         return cls(
             torch.zeros(rows, heads, **f32),
             torch.zeros(rows, heads, head_dim, **f32),
             torch.zeros(rows, heads, head_dim, **f32),
-            torch.zeros(rows, heads, head_dim, head_dim, **f32),
+            torch.zeros(rows, heads, *cov_shape[covariance], **f32),
         )
+
+    @property
+    def covariance(self) -> Covariance:
+        return covariance_mode(self.cross_cov, self.key_mean.shape[-1])
 
     def reset(self, row: int) -> None:
         for buffer in (self.count, self.key_mean, self.value_mean, self.cross_cov):
@@ -71,14 +115,21 @@ def fold_evicted_reference(
     v = values.float()
     k_mean_b = k.mean(0)
     v_mean_b = v.mean(0)
-    cov_b = (v - v_mean_b).T @ (k - k_mean_b)
     n_a = float(summary.count[row, head])
     n = n_a + n_b
     k_mean_a = summary.key_mean[row, head].clone()
     v_mean_a = summary.value_mean[row, head].clone()
-    summary.cross_cov[row, head] += cov_b + (n_a * n_b / n) * torch.outer(
-        v_mean_b - v_mean_a, k_mean_b - k_mean_a
-    )
+    mode = summary.covariance
+    if mode == "full":
+        cov_b = (v - v_mean_b).T @ (k - k_mean_b)
+        summary.cross_cov[row, head] += cov_b + (n_a * n_b / n) * torch.outer(
+            v_mean_b - v_mean_a, k_mean_b - k_mean_a
+        )
+    elif mode == "diagonal":  # the same merge, entry (d, d) only
+        cov_b = ((v - v_mean_b) * (k - k_mean_b)).sum(0)
+        summary.cross_cov[row, head] += cov_b + (n_a * n_b / n) * (
+            (v_mean_b - v_mean_a) * (k_mean_b - k_mean_a)
+        )
     summary.key_mean[row, head] = (n_a * k_mean_a + n_b * k_mean_b) / n
     summary.value_mean[row, head] = (n_a * v_mean_a + n_b * v_mean_b) / n
     summary.count[row, head] = n
@@ -92,13 +143,14 @@ def summary_partial_state(
     cross_cov: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o_E, lse_E)`` of queries ``[..., D]`` against one head's summary.
+    """``(o_E, lse_E)`` of queries ``[..., D]`` against one head's summary
+    (``cross_cov`` at any of the three ranks).
 
     ``lse_E = -inf`` (no contribution) where the head has evicted nothing.
     """
     q = query.float()
     lse = torch.log(count) + scale * (q @ key_mean)
-    out = value_mean + scale * (q @ cross_cov.T) / count.clamp(min=1.0)
+    out = value_mean + scale * cross_covariance_times(cross_cov, q) / count.clamp(min=1.0)
     empty = count <= 0
     return out.masked_fill(empty, 0.0), lse.masked_fill(empty, float("-inf"))
 

@@ -320,6 +320,7 @@ if triton is not None:
         BLOCK_DK: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         HAS_SUMMARY: tl.constexpr,
+        COV_MODE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         DOT_UPCAST: tl.constexpr,
     ):
@@ -383,25 +384,29 @@ if triton is not None:
                     )
                     q_k_mean = tl.sum(q.to(tl.float32) * k_mean[None, :], 1)
                     cov_base = cross_cov_ptr + row64 * stride_cov_n + kv_head * stride_cov_h
-                    # C q by chunks of key dims: (Q Cᵀ)[m, dv] = Σ_dk Q[m, dk] C[dv, dk].
-                    # An fp32 (FMA) dot holds its operands' whole K extent per
-                    # thread: 16-wide chunks keep it from spilling (and 16 is the
-                    # smallest K every triton 3.x accepts).
                     c_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                    for dk0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
-                        offs_dk = dk0 + tl.arange(0, BLOCK_DK)
-                        dk_ok = offs_dk < HEAD_DIM
-                        q_chunk = tl.load(
-                            q_ptrs + offs_dk[None, :] * stride_qd,
-                            mask=row_ok[:, None] & dk_ok[None, :],
-                            other=0.0,
-                        ).to(tl.float32)
-                        cov_t = tl.load(
-                            cov_base + offs_dk[:, None] * stride_cov_c + offs_d[None, :] * stride_cov_r,
-                            mask=dk_ok[:, None] & d_ok[None, :],
-                            other=0.0,
-                        )
-                        c_q += tl.dot(q_chunk, cov_t, input_precision="ieee")
+                    if COV_MODE == 2:
+                        # C q by chunks of key dims: (Q Cᵀ)[m, dv] = Σ_dk Q[m, dk] C[dv, dk].
+                        # An fp32 (FMA) dot holds its operands' whole K extent per
+                        # thread: 16-wide chunks keep it from spilling (and 16 is the
+                        # smallest K every triton 3.x accepts).
+                        for dk0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+                            offs_dk = dk0 + tl.arange(0, BLOCK_DK)
+                            dk_ok = offs_dk < HEAD_DIM
+                            q_chunk = tl.load(
+                                q_ptrs + offs_dk[None, :] * stride_qd,
+                                mask=row_ok[:, None] & dk_ok[None, :],
+                                other=0.0,
+                            ).to(tl.float32)
+                            cov_t = tl.load(
+                                cov_base + offs_dk[:, None] * stride_cov_c + offs_d[None, :] * stride_cov_r,
+                                mask=dk_ok[:, None] & d_ok[None, :],
+                                other=0.0,
+                            )
+                            c_q += tl.dot(q_chunk, cov_t, input_precision="ieee")
+                    elif COV_MODE == 1:  # diagonal C: diag(C) ⊙ q
+                        cov_diag = tl.load(cov_base + offs_d * stride_cov_r, mask=d_ok, other=0.0)
+                        c_q = q.to(tl.float32) * cov_diag[None, :]
                     m_i = tl.log2(n) + scale_log2 * q_k_mean
                     l_i = tl.full([BLOCK_M], 1.0, tl.float32)
                     acc = v_mean[None, :] + c_q * (scale / n)
@@ -679,9 +684,16 @@ def head_paged_attention(
             summary.cross_cov,
         )
         rows = summary_rows
+        cov_mode = {"none": 0, "diagonal": 1, "full": 2}[summary.covariance]
+        if cov_mode == 0:  # an empty C: hand the kernel a placeholder it never reads
+            cross_cov = out.unsqueeze(0)
     else:  # never read (HAS_SUMMARY is a constexpr): placeholders of the right rank
         count, key_mean, value_mean, cross_cov = lse, out, out, out.unsqueeze(0)
         rows = seq_lens
+        cov_mode = 2
+    # Strides of C as (row, head, value dim, key dim); a diagonal C has one
+    # dim per (row, head), an absent one none (never read).
+    cov_strides = (tuple(cross_cov.stride()) + (0, 0))[:4]
 
     # fp32 caches: keep the dots in fp32 (the default TF32 would cost ~1e-3).
     precision = "ieee" if key_cache.dtype == torch.float32 else "tf32"
@@ -725,10 +737,7 @@ def head_paged_attention(
         key_mean.stride(1),
         value_mean.stride(0),
         value_mean.stride(1),
-        cross_cov.stride(0),
-        cross_cov.stride(1),
-        cross_cov.stride(2),
-        cross_cov.stride(3),
+        *cov_strides,
         NUM_KV_HEADS=num_kv_heads,
         PAGE_SIZE=page_size,
         GROUP=group,
@@ -740,6 +749,7 @@ def head_paged_attention(
         BLOCK_DK=16,
         NUM_SPLITS=num_splits,
         HAS_SUMMARY=has_summary,
+        COV_MODE=cov_mode,
         DOT_PRECISION=precision,
         DOT_UPCAST=key_cache.dtype == torch.bfloat16 and _interpreted(_head_paged_attention_kernel),
         num_warps=num_warps,

@@ -104,6 +104,14 @@ class EvictionConfig(BaseModel):
         "(1 + 2D + D^2) x 4 bytes per head) and add their closed-form contribution "
         "to every attention output (needs storage head_pages; default on for momentkv)",
     )
+    moment_covariance: Literal["full", "diagonal", "none"] = Field(
+        "full",
+        description="rank of MomentKV's value-key cross-covariance: full (the paper's "
+        "first-order correction; (1 + 2D + D^2) x 4 bytes per request, layer and KV "
+        "head), diagonal (each value dim against its own key dim; (1 + 3D) x 4) or "
+        "none (the zeroth-order correction, evicted tokens stand in as their mean "
+        "value; (1 + 2D) x 4)",
+    )
     storage: Literal["slots", "head_pages"] | None = Field(
         None,
         description="where retained tokens live: slots (each head in its own slots of "
@@ -148,6 +156,12 @@ class EvictionConfig(BaseModel):
             raise ValueError(
                 f"policy {self.policy!r} scores with the statistics of the evicted tokens, "
                 "which moment_correction keeps; drop moment_correction: false"
+            )
+        if self.moment_covariance != "full" and not self.moment_correction:
+            raise ValueError(
+                f"moment_covariance {self.moment_covariance!r} shapes MomentKV's evicted-token "
+                "statistics, which only moment_correction keeps; set moment_correction: true "
+                "or policy momentkv, or drop moment_covariance"
             )
         if self.storage == "slots" and self.needs_head_pages:
             raise ValueError(

@@ -40,7 +40,8 @@ PADDING_POSITION = 1 << 40
 class EvictedMoments:
     """What each KV head has evicted so far (MomentKV's statistics), fp32:
     count ``[H]``, key and value means ``[H, D]``, and the value x centred-key
-    cross-covariance ``Σ (v - v̄)(k - k̄)ᵀ`` ``[H, D, D]``."""
+    cross-covariance ``Σ (v - v̄)(k - k̄)ᵀ`` ``[H, D, D]`` (or only its
+    diagonal, ``[H, D]``, or nothing, ``[H, 0]``: ``moment_covariance``)."""
 
     count: torch.Tensor
     key_mean: torch.Tensor

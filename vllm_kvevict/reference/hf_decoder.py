@@ -290,7 +290,11 @@ class ReferenceEvictingDecoder:
             if store.moments is not None and store.moments[h][0]:
                 n_e, k_bar, v_bar, s_tilde = store.moments[h]
                 z_e = n_e * torch.exp(scale * (qj @ k_bar))[:, None]  # Jensen bound, Eq. 11
-                f_e = v_bar[None, :] + scale * (qj @ s_tilde.T) / n_e  # Eq. 9
+                if s_tilde.dim() == 2:  # full C
+                    c_q = qj @ s_tilde.T
+                else:  # diagonal C, or none (an empty C, the zeroth-order model)
+                    c_q = qj * s_tilde if s_tilde.numel() else torch.zeros_like(qj)
+                f_e = v_bar[None, :] + scale * c_q / n_e  # Eq. 9
                 numerator = numerator + z_e * f_e
                 z_r = z_r + z_e
             out[j] = numerator / z_r
@@ -400,8 +404,10 @@ class ReferenceEvictingDecoder:
         if self.config.moment_correction:
             if store.moments is None:
                 zeros = torch.zeros(num_heads, head_dim)
+                cov_shape = {"full": (head_dim, head_dim), "diagonal": (head_dim,), "none": (0,)}
                 moments = EvictedMoments(
-                    torch.zeros(num_heads), zeros, zeros, torch.zeros(num_heads, head_dim, head_dim)
+                    torch.zeros(num_heads), zeros, zeros,
+                    torch.zeros(num_heads, *cov_shape[self.config.moment_covariance]),
                 )
             else:
                 moments = EvictedMoments(
@@ -447,4 +453,8 @@ class ReferenceEvictingDecoder:
             n_e = keys_e.shape[0]
             s_k, s_v = keys_e.sum(0), values_e.sum(0)
             s_tilde = values_e.T @ keys_e - torch.outer(s_v, s_k) / max(n_e, 1)
+            if self.config.moment_covariance == "diagonal":
+                s_tilde = s_tilde.diagonal().clone()
+            elif self.config.moment_covariance == "none":
+                s_tilde = s_tilde.new_zeros(0)
             store.moments.append((n_e, s_k / max(n_e, 1), s_v / max(n_e, 1), s_tilde))

@@ -264,6 +264,7 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             device=device,
             max_head_pages=max_head_pages,
             moment_correction=config.moment_correction,
+            moment_covariance=config.moment_covariance,
         )
         self.state.poison_freed_blocks = config.poisons_freed_blocks
         rank, world_size = _tensor_parallel_layout()

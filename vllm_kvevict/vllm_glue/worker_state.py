@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.metrics import ProcessMetrics
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
+from vllm_kvevict.triton_kernels.evicted_summary import Covariance, EvictedSummary
 
 
 @dataclass
@@ -64,6 +64,7 @@ class WorkerEvictionState:
         device: torch.device,
         max_head_pages: int = 0,
         moment_correction: bool = False,
+        moment_covariance: Covariance = "full",
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -76,6 +77,7 @@ class WorkerEvictionState:
         # head_pages storage (max_head_pages > 0): see the module docstring.
         self.max_head_pages = max_head_pages
         self.moment_correction = moment_correction
+        self.moment_covariance = moment_covariance
         self.head_pages = torch.empty(0, dtype=torch.int32)
         self.head_lens = torch.empty(0, dtype=torch.int32)
         self.region_start = torch.empty(0, dtype=torch.int64)
@@ -150,7 +152,8 @@ class WorkerEvictionState:
             grown = []
             for layer in range(self.num_layers):
                 summary = EvictedSummary.zeros(
-                    num_rows, self.num_kv_heads, self.head_dim, self.device
+                    num_rows, self.num_kv_heads, self.head_dim, self.device,
+                    covariance=self.moment_covariance,
                 )
                 if old:
                     previous = self.summaries[layer]
