@@ -95,11 +95,14 @@ def test_tova_is_last_query_attention_averaged_over_group(seed, group):
     assert TOVAPolicy.needs_queries and TOVAPolicy.default_prefill_mode == "end_of_prompt"
 
 
+@pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])
 @pytest.mark.parametrize("seed", range(4))
-def test_momentkv_score_is_attention_times_moment_residual(seed):
+def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
     """MomentKV Eq. 10: α_j ‖v_j - v̄ - τ S̃ k_j / n‖ with S̃ from the evicted
-    tokens' raw sums (Eq. 24), α the window attention averaged over window and
-    group; with nothing evicted it is α_j ‖v_j‖."""
+    tokens' raw sums (Eq. 24) (its diagonal, or nothing, for the reduced
+    statistics), α SnapKV's score: the window attention averaged over window
+    and group, max-pooled over 7 neighbours; with nothing evicted it is
+    α_j ‖v_j‖."""
     from vllm_kvevict.policies import MomentKVPolicy
     from vllm_kvevict.policies.base import EvictedMoments
     from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
@@ -109,7 +112,7 @@ def test_momentkv_score_is_attention_times_moment_residual(seed):
     heads, dim = 3, 16
     evicted_k = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
     evicted_v = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
-    summary = EvictedSummary.zeros(1, heads, dim)
+    summary = EvictedSummary.zeros(1, heads, dim, covariance=covariance)
     for h in range(heads):
         fold_evicted_reference(summary, 0, h, evicted_k[h][:3], evicted_v[h][:3])
         fold_evicted_reference(summary, 0, h, evicted_k[h][3:], evicted_v[h][3:])
@@ -120,6 +123,7 @@ def test_momentkv_score_is_attention_times_moment_residual(seed):
         ke, ve = evicted_k[h].double(), evicted_v[h].double()
         n = ke.shape[0]
         s_tilde = ve.T @ ke - torch.outer(ve.sum(0), ke.sum(0)) / n
+        window_attention = []
         for j in range(24):
             alpha = 0.0
             for g in range(2):
@@ -129,15 +133,23 @@ def test_momentkv_score_is_attention_times_moment_residual(seed):
                     logits = torch.stack([queries[h * 2 + g, w] @ keys[h, s] for s in visible]) * inputs.scale
                     probs = torch.softmax(logits, 0)
                     alpha += float(probs[visible.index(j)]) if j in visible else 0.0
-            alpha /= 10
-            residual = values[h, j] - ve.mean(0) - inputs.scale * (s_tilde @ keys[h, j]) / n
+            window_attention.append(alpha / 10)
+        for j in range(24):
+            alpha = max(window_attention[max(0, j - 3) : j + 4])
+            if covariance == "full":
+                moment_term = inputs.scale * (s_tilde @ keys[h, j]) / n
+            elif covariance == "diagonal":
+                moment_term = inputs.scale * s_tilde.diagonal() * keys[h, j] / n
+            else:
+                moment_term = 0.0
+            residual = values[h, j] - ve.mean(0) - moment_term
             assert float(scores[h, j]) == pytest.approx(alpha * float(residual.norm()), rel=1e-4, abs=1e-7)
     # nothing evicted yet: attention x value norm
     zeros = torch.zeros(heads, dim)
     inputs.evicted = EvictedMoments(torch.zeros(heads), zeros, zeros, torch.zeros(heads, dim, dim))
     attention = MomentKVPolicy().score(inputs) / inputs.values.norm(dim=-1)
     from vllm_kvevict.policies import SnapKVPolicy
-    assert torch.allclose(attention, SnapKVPolicy(kernel_size=1).score(inputs), atol=1e-6)
+    assert torch.allclose(attention, SnapKVPolicy(kernel_size=7).score(inputs), atol=1e-6)
 
 
 def test_momentkv_requires_moment_statistics():

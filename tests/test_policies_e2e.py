@@ -21,6 +21,16 @@ CASES = {
     "knorm": {"policy": "knorm", "budget": 512},
     "tova": {"policy": "tova", "budget": 512},
     "momentkv": {"policy": "momentkv", "budget": 256, "head_budget": "adaptive"},
+    "momentkv-diagonal": {
+        "policy": "momentkv", "budget": 256, "head_budget": "adaptive", "moment_covariance": "diagonal",
+    },
+    "momentkv-zeroth-order": {"policy": "momentkv", "budget": 256, "moment_covariance": "none"},
+    # Needs the layer's rotary frequencies (read from vLLM's rotary_emb).
+    "expected_attention": {"policy": "expected_attention", "budget": 512},
+    # Needs the layer's output projection (read through o_proj's quant method).
+    "criticalkv-adaptive": {"policy": "criticalkv", "budget": 512, "head_budget": "adaptive"},
+    "h2o": {"policy": "h2o", "budget": 512},
+    "random": {"policy": "random", "budget": 512},
 }
 
 
