@@ -100,8 +100,10 @@ def test_expected_score_matches_monte_carlo_over_gaussian_queries():
     keys = torch.randn(6, dim, generator=gen, dtype=torch.float64)
     closed = torch.exp(scale * keys @ mean + scale**2 / 2 * torch.einsum("sd,de,se->s", keys, cov, keys))
     samples = torch.distributions.MultivariateNormal(mean, cov).sample((400_000,))
-    monte_carlo = torch.exp(scale * samples @ keys.T).mean(0)
-    assert torch.allclose(monte_carlo, closed, rtol=0.01)
+    draws = torch.exp(scale * samples @ keys.T)  # [N, S]
+    standard_error = draws.std(0) / math.sqrt(draws.shape[0])
+    assert ((draws.mean(0) - closed).abs() < 5 * standard_error).all()
+    assert torch.allclose(draws.mean(0), closed, rtol=0.05)
 
 
 def test_expected_attention_matches_monte_carlo_over_queries_and_positions():

@@ -209,6 +209,8 @@ class _SpyPolicy:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.needs_queries: bool = inner.needs_queries
+        self.needs_rotary: bool = inner.needs_rotary
+        self.needs_output_projection: bool = inner.needs_output_projection
         self.calls: list[tuple[Any, ...]] = []
 
     def select(
