@@ -95,6 +95,75 @@ def test_tova_is_last_query_attention_averaged_over_group(seed, group):
     assert TOVAPolicy.needs_queries and TOVAPolicy.default_prefill_mode == "end_of_prompt"
 
 
+def _greedy_rounds_reference(inputs, alpha, evicted_k, evicted_v, keep, rounds, protected, covariance):
+    """Alg. 1 in batches, one head at a time in fp64: each round evicts the
+    lowest ``α_j ‖v_j - v̄ - τ S̃ k_j / n‖`` among the unprotected survivors,
+    with the statistics recomputed from scratch (Eq. 24) over every token
+    evicted so far. Returns the kept slots per head."""
+    kept_per_head = []
+    for h in range(inputs.keys.shape[0]):
+        keys, values = inputs.keys[h].double(), inputs.values[h].double()
+        gone_k, gone_v = [evicted_k[h].double()], [evicted_v[h].double()]
+        alive = list(range(keys.shape[0]))
+        must_go = len(alive) - keep
+        done = 0
+        for r in range(rounds):
+            target = -(-must_go * (r + 1) // rounds)
+            ke, ve = torch.cat(gone_k), torch.cat(gone_v)
+            n = ke.shape[0]
+
+            def score(j):
+                if n == 0:
+                    return alpha[h][j] * float(values[j].norm())
+                s_tilde = ve.T @ ke - torch.outer(ve.sum(0), ke.sum(0)) / n
+                if covariance == "full":
+                    term = inputs.scale * (s_tilde @ keys[j]) / n
+                elif covariance == "diagonal":
+                    term = inputs.scale * s_tilde.diagonal() * keys[j] / n
+                else:
+                    term = 0.0
+                return alpha[h][j] * float((values[j] - ve.mean(0) - term).norm())
+
+            candidates = sorted((j for j in alive if j not in protected), key=lambda j: (score(j), j))
+            batch = candidates[: target - done]
+            done = target
+            alive = [j for j in alive if j not in batch]
+            gone_k.append(keys[batch])
+            gone_v.append(values[batch])
+        kept_per_head.append(alive)
+    return kept_per_head
+
+
+@pytest.mark.parametrize("covariance", ["full", "diagonal"])
+@pytest.mark.parametrize("rounds", [1, 3, 14])
+@pytest.mark.parametrize("seed", range(3))
+def test_momentkv_rounds_follow_algorithm_1(seed, rounds, covariance):
+    """The batched greedy: R rounds of rescoring against the statistics of
+    what is already evicted (R = number evicted: Alg. 1's one-at-a-time
+    greedy), the kept set equal to a from-scratch fp64 loop."""
+    from vllm_kvevict.policies import MomentKVPolicy, SnapKVPolicy
+    from vllm_kvevict.policies.base import EvictedMoments
+    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    inputs = _inputs(gen, group=2, window=5)
+    heads, dim = 3, 16
+    # Head 0 has evicted nothing yet; the others have.
+    evicted_k = [torch.randn(0 if h == 0 else 6, dim, generator=gen) for h in range(heads)]
+    evicted_v = [torch.randn(0 if h == 0 else 6, dim, generator=gen) for h in range(heads)]
+    summary = EvictedSummary.zeros(1, heads, dim, covariance=covariance)
+    for h in range(heads):
+        fold_evicted_reference(summary, 0, h, evicted_k[h], evicted_v[h])
+    inputs.evicted = EvictedMoments(summary.count[0], summary.key_mean[0], summary.value_mean[0], summary.cross_cov[0])
+    policy = MomentKVPolicy(rounds=rounds)
+    num_keep, num_sink, num_recent = 10, 2, 3
+    kept = policy.select(inputs, num_keep, num_sink, num_recent, 24)
+    alpha = SnapKVPolicy().score(inputs).double().tolist()
+    protected = set(range(num_sink)) | set(range(24 - num_recent, 24))
+    want = _greedy_rounds_reference(inputs, alpha, evicted_k, evicted_v, num_keep, rounds, protected, covariance)
+    assert kept.tolist() == want
+
+
 @pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])
 @pytest.mark.parametrize("seed", range(4))
 def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):

@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import EvictedMoments, EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
 
@@ -33,9 +33,9 @@ class MomentKVPolicy(EvictionPolicy):
     Table 3, is on SnapKV too). The evicted tokens are folded into the statistics and corrected
     for in every attention output (``moment_correction``, A2.7), which this
     policy requires. With ``moment_covariance`` diagonal or none, the model
-    is the same with ``C`` reduced to its diagonal or dropped. One scoring
-    pass per eviction, not the paper's one-token-at-a-time greedy (infeasible
-    at prefill, A4(a)).
+    is the same with ``C`` reduced to its diagonal or dropped. The
+    one-token-at-a-time greedy of Alg. 1 is run in ``rounds`` batches (see
+    :meth:`refine_scores`).
     """
 
     name = "momentkv"
@@ -44,24 +44,110 @@ class MomentKVPolicy(EvictionPolicy):
     default_prefill_mode = "end_of_prompt"
     kernel_size: int = 7
     pooling: Literal["max", "avg"] = "max"
+    rounds: int = 8
 
     def __post_init__(self) -> None:
         self._attention = SnapKVPolicy(self.kernel_size, self.pooling)  # validates both
+        if self.rounds < 1:
+            raise ValueError(f"momentkv rounds must be at least 1, got {self.rounds}")
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         assert inputs.evicted is not None, "momentkv needs the evicted-token statistics"
         attention = self._attention.score(inputs)  # [H, S], pooled window attention
+        return attention * moment_residuals(inputs.keys, inputs.values, inputs.evicted, inputs.scale)
+
+    def refine_scores(
+        self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Alg. 1 evicts one token at a time, rescoring against the statistics
+        that now include it; at an eviction of thousands of tokens that is
+        infeasible, and a single pass degenerates to ``α_j ‖v_j - v̄‖`` (with
+        nothing evicted yet, ``α_j ‖v_j‖``: the residual never sees the moment
+        model). The spec's batched form (A4(a)): ``rounds`` rounds, each
+        evicting the lowest-scoring ``1/rounds`` of what each head must drop,
+        folding them into a copy of the statistics, and rescoring the rest.
+
+        Returns scores whose top ``counts[h]`` are the tokens kept: survivors
+        keep their last score (``≥ 0``), a token evicted in round ``r`` gets
+        ``r - rounds`` (earlier rounds lower).
+        """
+        if self.rounds == 1:
+            return scores
+        assert inputs.evicted is not None
+        attention = self._attention.score(inputs)
+        candidate = torch.isfinite(scores)  # not protected (+inf), not padding (-inf)
+        live = (scores > float("-inf")).sum(-1)
+        to_evict = (live - counts).clamp(min=0)  # [H]
         moments = inputs.evicted
-        keys, values = inputs.keys.float(), inputs.values.float()
-        count = moments.count.float().clamp(min=1.0)[:, None, None]
-        cov = moments.cross_cov.float()
-        if cov.shape[-1] == 0:  # zeroth-order statistics: the model predicts v̄
-            cov_k = torch.zeros_like(keys)
-        elif cov.dim() == 2:  # diagonal C: diag(C) ⊙ k
-            cov_k = cov[:, None, :] * keys
-        else:
-            cov_k = torch.einsum("hvk,hsk->hsv", cov, keys)
-        predicted = moments.value_mean[:, None, :] + inputs.scale * cov_k / count
-        empty = (moments.count <= 0)[:, None, None]
-        residual = values - torch.where(empty, torch.zeros_like(predicted), predicted)
-        return attention * residual.norm(dim=-1)
+        refined = scores.clone()
+        evicted = torch.zeros_like(candidate)
+        done = torch.zeros_like(to_evict)
+        for r in range(self.rounds):
+            target = (to_evict * (r + 1) + self.rounds - 1) // self.rounds  # ceil, = to_evict at the end
+            batch_size = target - done
+            if int(batch_size.max()) <= 0:
+                continue
+            if r > 0:
+                current = attention * moment_residuals(inputs.keys, inputs.values, moments, inputs.scale)
+                refined = torch.where(candidate & ~evicted, current, refined)
+            ranked = torch.where(candidate & ~evicted, refined, float("inf"))
+            order = torch.sort(ranked, dim=-1, stable=True).indices
+            rank_of = torch.empty_like(order).scatter_(
+                -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+            )
+            batch = (rank_of < batch_size[:, None]) & candidate & ~evicted
+            refined = torch.where(batch, float(r - self.rounds), refined)
+            evicted |= batch
+            done = target
+            moments = fold_moments(moments, inputs.keys, inputs.values, batch)
+        return refined
+
+
+def moment_residuals(
+    keys: torch.Tensor, values: torch.Tensor, moments: EvictedMoments, scale: float
+) -> torch.Tensor:
+    """``‖v_j - v̄ - τ C k_j / n‖`` per token, ``[H, S]`` (``‖v_j‖`` for a head
+    that has evicted nothing); ``C`` full, diagonal or absent."""
+    keys, values = keys.float(), values.float()
+    count = moments.count.float().clamp(min=1.0)[:, None, None]
+    cov = moments.cross_cov.float()
+    if cov.shape[-1] == 0:  # zeroth-order statistics: the model predicts v̄
+        cov_k = torch.zeros_like(keys)
+    elif cov.dim() == 2:  # diagonal C: diag(C) ⊙ k
+        cov_k = cov[:, None, :] * keys
+    else:
+        cov_k = torch.einsum("hvk,hsk->hsv", cov, keys)
+    predicted = moments.value_mean.float()[:, None, :] + scale * cov_k / count
+    empty = (moments.count <= 0)[:, None, None]
+    residual = values - torch.where(empty, torch.zeros_like(predicted), predicted)
+    return residual.norm(dim=-1)
+
+
+def fold_moments(
+    moments: EvictedMoments, keys: torch.Tensor, values: torch.Tensor, batch: torch.Tensor
+) -> EvictedMoments:
+    """The statistics with each head's ``batch [H, S]`` tokens added (Chan's
+    merge, A2.4), at the rank ``moments.cross_cov`` has; a new object."""
+    weight = batch.float()[..., None]  # [H, S, 1]
+    keys, values = keys.float(), values.float()
+    n_a = moments.count.float()
+    n_b = batch.sum(-1).float()
+    n = n_a + n_b
+    safe_b = n_b.clamp(min=1.0)[:, None]
+    k_mean_b = (weight * keys).sum(1) / safe_b
+    v_mean_b = (weight * values).sum(1) / safe_b
+    k_c = (keys - k_mean_b[:, None]) * weight
+    v_c = (values - v_mean_b[:, None]) * weight
+    shift = (n_a * n_b / n.clamp(min=1.0))[:, None]
+    dk, dv = k_mean_b - moments.key_mean.float(), v_mean_b - moments.value_mean.float()
+    cov = moments.cross_cov.float()
+    if cov.shape[-1] == 0:
+        new_cov = cov
+    elif cov.dim() == 2:
+        new_cov = cov + (v_c * k_c).sum(1) + shift * dv * dk
+    else:
+        new_cov = cov + torch.einsum("hsv,hsk->hvk", v_c, k_c) + shift[..., None] * dv[:, :, None] * dk[:, None, :]
+    safe = n.clamp(min=1.0)[:, None]
+    key_mean = (n_a[:, None] * moments.key_mean.float() + n_b[:, None] * k_mean_b) / safe
+    value_mean = (n_a[:, None] * moments.value_mean.float() + n_b[:, None] * v_mean_b) / safe
+    return EvictedMoments(n, key_mean, value_mean, new_cov)
