@@ -123,19 +123,17 @@ class EvictionConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_prefill_mode(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("prefill_mode") is None:
-            name = data.get("policy")
-            policy = POLICIES.get(name) if isinstance(name, str) else None
-            if policy is not None:
-                data = {**data, "prefill_mode": policy.default_prefill_mode}
-        if isinstance(data, dict) and data.get("moment_correction") is None:
-            name = data.get("policy")
-            policy = POLICIES.get(name) if isinstance(name, str) else None
+    def _policy_defaults(cls, data: Any) -> Any:
+        """Settings left unset (or null) take the policy's own defaults."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("policy")
+        policy = POLICIES.get(name) if isinstance(name, str) else None
+        if data.get("prefill_mode") is None and policy is not None:
+            data = {**data, "prefill_mode": policy.default_prefill_mode}
+        if data.get("moment_correction") is None:
             data = {**data, "moment_correction": bool(policy and policy.needs_moments)}
-        if isinstance(data, dict) and data.get("observation_window") is None:
-            name = data.get("policy")
-            policy = POLICIES.get(name) if isinstance(name, str) else None
+        if data.get("observation_window") is None:
             data = {**data, "observation_window": policy.default_observation_window if policy else 32}
         return data
 

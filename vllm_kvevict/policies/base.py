@@ -49,6 +49,16 @@ class EvictedMoments:
     cross_cov: torch.Tensor
 
 
+def cross_covariance_times(cross_cov: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``C x`` per head for ``cross_cov`` ``[H, D, D]`` (full), ``[H, D]``
+    (diagonal) or ``[H, 0]`` (none: zero) and ``x [H, S, D]``."""
+    if cross_cov.shape[-1] == 0:
+        return torch.zeros_like(x)
+    if cross_cov.dim() == 2:
+        return cross_cov[:, None, :] * x
+    return torch.einsum("hvk,hsk->hsv", cross_cov, x)
+
+
 @dataclass(frozen=True)
 class RotaryFrequencies:
     """A model's rotary position embedding: pair ``m`` of a head's dimensions

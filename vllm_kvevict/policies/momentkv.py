@@ -5,7 +5,12 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.policies.base import EvictedMoments, EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import (
+    EvictedMoments,
+    EvictionPolicy,
+    ScoringInputs,
+    cross_covariance_times,
+)
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
 
@@ -110,13 +115,7 @@ def moment_residuals(
     that has evicted nothing); ``C`` full, diagonal or absent."""
     keys, values = keys.float(), values.float()
     count = moments.count.float().clamp(min=1.0)[:, None, None]
-    cov = moments.cross_cov.float()
-    if cov.shape[-1] == 0:  # zeroth-order statistics: the model predicts v̄
-        cov_k = torch.zeros_like(keys)
-    elif cov.dim() == 2:  # diagonal C: diag(C) ⊙ k
-        cov_k = cov[:, None, :] * keys
-    else:
-        cov_k = torch.einsum("hvk,hsk->hsv", cov, keys)
+    cov_k = cross_covariance_times(moments.cross_cov.float(), keys)
     predicted = moments.value_mean.float()[:, None, :] + scale * cov_k / count
     empty = (moments.count <= 0)[:, None, None]
     residual = values - torch.where(empty, torch.zeros_like(predicted), predicted)

@@ -35,6 +35,7 @@ from vllm_kvevict.policies.base import (
     EvictionPolicy,
     RotaryFrequencies,
     ScoringInputs,
+    cross_covariance_times,
 )
 from vllm_kvevict.schedule import EvictionSchedule
 
@@ -290,10 +291,7 @@ class ReferenceEvictingDecoder:
             if store.moments is not None and store.moments[h][0]:
                 n_e, k_bar, v_bar, s_tilde = store.moments[h]
                 z_e = n_e * torch.exp(scale * (qj @ k_bar))[:, None]  # Jensen bound, Eq. 11
-                if s_tilde.dim() == 2:  # full C
-                    c_q = qj @ s_tilde.T
-                else:  # diagonal C, or none (an empty C, the zeroth-order model)
-                    c_q = qj * s_tilde if s_tilde.numel() else torch.zeros_like(qj)
+                c_q = cross_covariance_times(s_tilde[None], qj[None])[0]  # full, diagonal or none
                 f_e = v_bar[None, :] + scale * c_q / n_e  # Eq. 9
                 numerator = numerator + z_e * f_e
                 z_r = z_r + z_e
