@@ -22,6 +22,23 @@ def client(server) -> OpenAI:
     return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=600)
 
 
+def steady_sample(server, tries: int = 20) -> tuple[dict, float] | None:
+    """The manager's counters and vLLM's kv_cache_usage gauge taken together.
+
+    The two come from different processes and the client may lag the server,
+    so read gauge, counters, gauge, and keep the sample only when the gauge did
+    not move in between and the request is still live.
+    """
+    for _ in range(tries):
+        time.sleep(0.05)  # let vLLM's stat logger publish the current step
+        before = server.metric("vllm:kv_cache_usage_perc")
+        stats = server.stats()
+        after = server.metric("vllm:kv_cache_usage_perc")
+        if before == after and stats["live_requests"] == 1:
+            return stats, after
+    return None
+
+
 def test_completions_find_needle_and_free_blocks_while_running(snapkv_server, tokenizer):
     """A ~2.9k-token needle prompt is answered, and the request's blocks go
     back to the pool while it still streams (manager counters and vLLM's own
@@ -31,16 +48,16 @@ def test_completions_find_needle_and_free_blocks_while_running(snapkv_server, to
     prompt = needle_prompt(tokenizer, 71432)
     prompt_blocks = -(-len(tokenizer(prompt).input_ids) // 32)
     stream = api.completions.create(
-        model="smollm2", prompt=prompt, max_tokens=48, temperature=0, stream=True,
+        model="smollm2", prompt=prompt, max_tokens=160, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )
     text, mid_stream = "", None
     for i, chunk in enumerate(stream):
         text += chunk.choices[0].text
         if i == 24 and mid_stream is None:
-            time.sleep(0.3)  # let vLLM's stat logger publish the current step
-            mid_stream = (snapkv_server.stats(), snapkv_server.metric("vllm:kv_cache_usage_perc"))
+            mid_stream = steady_sample(snapkv_server)
     assert "71432" in text
+    assert mid_stream is not None, "no steady sample of the gauge while the request ran"
     stats, usage = mid_stream
     assert stats["live_requests"] == 1
     assert stats["blocks_freed_by_eviction"] > before
