@@ -4,6 +4,8 @@ the quality benchmark: no server, the real SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -15,7 +17,9 @@ from vllm_kvevict.evaluation.ruler import (
     DEFAULT_TASKS,
     RulerGenerator,
     largest_fitting,
+    needle_grid,
     postprocess_prediction,
+    riemann_zeta,
     score_prediction,
 )
 
@@ -103,6 +107,165 @@ def test_vt_has_rulers_one_shot_example(samples) -> None:
     example = prompt.split("\n\n\n\n")[0]
     assert len(example.split("they are: ")[1].split()) == 5  # renamed answer variables
 
+
+
+# ---------------------------------------------------------------- cwe / fwe
+
+CWE_INTRO = "Memorize the ones that appear most often.\n"
+
+
+def numbered_words(text: str) -> list[str]:
+    """'1. w 2. w ...' -> the words, checking the numbering runs 1..n."""
+    parts = re.split(r"(?:^| )(\d+)\. ", text)
+    assert parts[0] == ""
+    numbers, words = parts[1::2], parts[2::2]
+    assert [int(n) for n in numbers] == list(range(1, len(words) + 1))
+    return words
+
+
+def cwe_lists(prompt: str) -> tuple[list[str], list[str], list[str]]:
+    """The in-context example's word list and answers, and the task's word list."""
+    assert prompt.count(CWE_INTRO) == 2  # RULER's one-shot example, then the task
+    _, example, task = prompt.split(CWE_INTRO)
+    example_list, example_answer = example.split("\nQuestion:")[0], example.split("in the list are:")[1]
+    return numbered_words(example_list), numbered_words(example_answer.split("\n")[0]), \
+        numbered_words(task.split("\nQuestion:")[0])
+
+
+@pytest.mark.parametrize("length,freq_cw,freq_ucw", [(LENGTH, 30, 3), (2048, 6, 1)])
+def test_cwe_answers_are_the_most_common_words_of_the_list(tokenizer, length, freq_cw, freq_ucw) -> None:
+    generator = RulerGenerator(tokenizer, length, seed=42)
+    sample = generator.sample("cwe", 0)
+    example_words, example_answers, words = cwe_lists(sample.prompt)
+    counts = Counter(words)
+    assert len(sample.answers) == 10 and len(set(sample.answers)) == 10
+    assert {word for word, _ in counts.most_common(10)} == set(sample.answers)
+    assert all(counts[word] == freq_cw for word in sample.answers)
+    assert set(counts[word] for word in counts if word not in sample.answers) == {freq_ucw}
+    assert len(counts) > 50  # a real haystack of uncommon words
+    # The example: 40 words (20 below 4096), its answers the ones repeated most.
+    example_counts = Counter(example_words)
+    assert len(example_counts) == (40 if length >= 4096 else 20)
+    assert {word for word, _ in example_counts.most_common(10)} == set(example_answers)
+    assert sample.prompt.endswith("appear most often in the list are:")
+    tokens = len(tokenizer(sample.prompt).input_ids)
+    assert tokens == sample.prompt_tokens
+    assert 0.9 * length <= tokens <= length - sample.tokens_to_generate
+    assert generator.sample("cwe", 0) == sample
+    other = generator.sample("cwe", 1)
+    assert other.prompt != sample.prompt and other.answers != sample.answers
+
+
+def fwe_words(prompt: str) -> list[str]:
+    text = prompt.split("Find the three most frequently appeared coded words. ")[1]
+    return text.split("\nQuestion:")[0].split(" ")
+
+
+def test_fwe_answers_are_the_three_most_frequent_coded_words(tokenizer, samples) -> None:
+    sample = samples["fwe"]
+    counts = Counter(fwe_words(sample.prompt))
+    ranked = [word for word, _ in counts.most_common()]
+    assert ranked[0] == "..."  # RULER's noise word takes Zipf rank 1
+    assert ranked[1:4] == sample.answers
+    assert counts[ranked[3]] > counts[ranked[4]]  # no tie at the cut
+    # Zipf with alpha 2: rank k appears int(n k^-2 / zeta(2)) times, so about
+    # 1/k^2 times as often as rank 1 (to the truncation).
+    for rank, word in enumerate(ranked[:6], start=1):
+        assert abs(counts[word] - counts["..."] / rank**2) < 1.5, (rank, counts[word])
+    assert all(re.fullmatch(r"[a-z]{6}", word) for word in ranked[1:])
+    assert len(counts) <= LENGTH // 50  # RULER's vocabulary size
+    tokens = len(tokenizer(sample.prompt).input_ids)
+    assert 0.9 * LENGTH <= tokens <= LENGTH - sample.tokens_to_generate
+    generator = RulerGenerator(tokenizer, LENGTH, seed=42)
+    assert generator.sample("fwe", 0) == sample
+    other = generator.sample("fwe", 1)
+    assert other.prompt != sample.prompt and other.answers != sample.answers
+
+
+def test_zeta_matches_known_values() -> None:
+    assert riemann_zeta(2.0) == pytest.approx(math.pi ** 2 / 6, rel=1e-15)
+    assert riemann_zeta(4.0) == pytest.approx(math.pi ** 4 / 90, rel=1e-15)
+    assert riemann_zeta(3.0) == pytest.approx(1.2020569031595942, rel=1e-15)  # Apery's constant
+    with pytest.raises(ValueError):
+        riemann_zeta(1.0)
+
+
+def test_cwe_and_fwe_chat_prompts(tokenizer, samples) -> None:
+    chat = RulerGenerator(tokenizer, LENGTH, seed=42, prompt_format="chat")
+    for task, intro in (("cwe", "Below is a numbered list"), ("fwe", "Read the following coded text")):
+        sample = chat.sample(task, 0)
+        assert sample.prompt.endswith("?<|im_end|>\n<|im_start|>assistant\n"), task
+        assert f"<|im_start|>user\n{intro}" in sample.prompt
+        assert sample.answers == samples[task].answers
+        assert 0.9 * LENGTH <= sample.prompt_tokens <= LENGTH - sample.tokens_to_generate
+    _, _, words = cwe_lists(chat.sample("cwe", 0).prompt.split("<|im_end|>")[1])
+    assert {w for w, _ in Counter(words).most_common(10)} == set(samples["cwe"].answers)
+
+
+def test_cwe_and_fwe_scores(samples) -> None:
+    for task in ("cwe", "fwe"):
+        sample = samples[task]
+        assert sample.metric == "string_match_all"
+        assert sample.score(" " + ", ".join(sample.answers)) == 100.0
+        assert sample.score(" ".join(f"{i + 1}. {w}" for i, w in enumerate(sample.answers))) == 100.0
+        assert sample.score(" nothing here") == 0.0
+        # Only the first answer: 1/10 resp. 1/3 of the references.
+        assert sample.score(" " + sample.answers[0]) == pytest.approx(100 / len(sample.answers))
+
+
+# ---------------------------------------------------------------- needle grid
+
+NIAH_CONTEXT_START = "I will quiz you about the number afterwards.\n"
+NIAH_CONTEXT_END = "\nWhat is the special magic number for "
+
+
+@pytest.mark.parametrize("depth", [0, 50, 100])
+def test_needle_at_depth_places_the_needle(tokenizer, generator: RulerGenerator, depth) -> None:
+    sample = generator.needle_at_depth(depth, 0)
+    assert sample.task == f"needle@{depth}"
+    needles = re.findall(r"One of the special magic numbers for (\S+) is: (\d+)\.", sample.prompt)
+    assert len(needles) == 1
+    key, value = needles[0]
+    assert sample.answers == [value]
+    assert f"{NIAH_CONTEXT_END}{key} mentioned in the provided text?" in sample.prompt
+    needle = f"One of the special magic numbers for {key} is: {value}."
+    start = sample.prompt.index(NIAH_CONTEXT_START) + len(NIAH_CONTEXT_START)
+    end = sample.prompt.index(NIAH_CONTEXT_END)
+    offset = sample.prompt.index(needle)
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+    # RULER's depth is a share of the haystack's sentences (nltk's Punkt): exact
+    # to one sentence. In characters it is within a few percent; at 4k tokens
+    # (~150 sentences of uneven length) the middle lands at ~44%.
+    before = PunktSentenceTokenizer().tokenize(sample.prompt[start:offset])
+    after = PunktSentenceTokenizer().tokenize(sample.prompt[offset + len(needle):end])
+    assert abs(len(before) - depth / 100 * (len(before) + len(after))) <= 1, (len(before), len(after))
+    fraction = (offset - start) / (end - start - len(needle))
+    assert abs(100 * fraction - depth) <= 8, fraction
+    assert sample.score(f" {value}.") == 100.0
+    assert sample.score(" 1234567.") == 0.0
+    assert sample.metric == "string_match_all"
+    assert 3600 <= sample.prompt_tokens <= LENGTH - sample.tokens_to_generate
+    assert generator.needle_at_depth(depth, 0) == sample
+    assert generator.needle_at_depth(depth, 1).answers != sample.answers
+
+
+def test_needle_at_depth_rejects_bad_arguments(generator: RulerGenerator) -> None:
+    with pytest.raises(ValueError):
+        generator.needle_at_depth(101, 0)
+    with pytest.raises(ValueError):
+        generator.needle_at_depth(50, 0, task="vt")
+
+
+def test_needle_grid_covers_lengths_and_depths(tokenizer) -> None:
+    grid = needle_grid(tokenizer, [1024, 2048], [0, 100], seed=42, prompt_format="chat", per_cell=2)
+    assert [(s.task, s.index) for s in grid] == [
+        (f"needle@{d}", i) for _ in range(2) for d in (0, 100) for i in range(2)
+    ]
+    for sample, length in zip(grid, [1024] * 4 + [2048] * 4):
+        assert 0.85 * length <= sample.prompt_tokens <= length - sample.tokens_to_generate
+        assert sample.prompt.endswith("<|im_start|>assistant\n")
+        assert f"is: {sample.answers[0]}." in sample.prompt
 
 def test_string_match_all_is_the_fraction_of_references_found() -> None:
     references = ["1234567", "7654321", "5555555", "1111111"]

@@ -6,6 +6,19 @@ import argparse
 import sys
 
 
+# Subcommands with their own parsers (`kvevict NAME --help`).
+DELEGATED = {
+    "eval": "RULER quality of eviction settings through vllm serve: CSV, Markdown, plots",
+    "bench": "serving capacity under a constrained KV pool, with and without eviction",
+    "soak": "bounded load test against vllm serve --kv-eviction",
+}
+DELEGATED_MODULES = {
+    "eval": "vllm_kvevict.evaluation.ruler_eval",
+    "bench": "vllm_kvevict.evaluation.serving_bench",
+    "soak": "vllm_kvevict.evaluation.soak",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvevict", description="vllm-kvevict tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -17,15 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--target", default=None, help="output directory (default: cache)")
     fetch.add_argument("--force", action="store_true", help="convert again")
     commands.add_parser("policies", help="list the eviction policies and their options")
-    commands.add_parser(
-        "soak", add_help=False,
-        help="bounded load test against vllm serve --kv-eviction (see kvevict soak --help)",
-    )
+    for name, help_text in DELEGATED.items():
+        commands.add_parser(name, add_help=False, help=help_text)
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "soak":
-        from vllm_kvevict.evaluation.soak import main as soak_main
+    if argv and argv[0] in DELEGATED:
+        import importlib
 
-        return soak_main(argv[1:])
+        module = importlib.import_module(DELEGATED_MODULES[argv[0]])
+        return module.main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "fetch-model":

