@@ -4,8 +4,8 @@ multikey / multivalue, variable tracking, SQuAD QA) and the mean KL divergence
 of next-token distributions from the full cache.
 
 A shorthand for `kvevict eval` (vllm_kvevict/evaluation/ruler_eval.py) with
-issue 5's tasks, no needle grid, 48 new tokens at most and the exact
-(whole-vocabulary) KL:
+issue 5's tasks, no needle grid, 48 new tokens at most and by default the
+exact (whole-vocabulary) KL:
 
     python benchmarks/policy_quality.py --policies snapkv,streamingllm --out results/quality
     python benchmarks/policy_quality.py --policies snapkv --fractions 0.5 --samples-per-task 1 --out /tmp/pq
@@ -31,6 +31,8 @@ def main() -> int:
     parser.add_argument("--fractions", default="0.5,0.2",
                         help="comma-separated fractions of the mean prompt length to keep")
     parser.add_argument("--length", default="4096", help="RULER target length in tokens")
+    parser.add_argument("--logprobs-k", default="-1",
+                        help="-1: whole-vocabulary distributions (exact KL); k>0: top-k + tail bucket")
     args, rest = parser.parse_known_args()
 
     from vllm_kvevict.evaluation.ruler_eval import main as eval_main
@@ -40,7 +42,7 @@ def main() -> int:
         for policy in (p.strip() for p in args.policies.split(",") if p.strip()):
             settings += ["--setting", f"{policy}@{fraction}"]
     return eval_main([*settings, "--lengths", args.length, "--tasks", ISSUE_5_TASKS,
-                      "--grid-depths", "", "--max-new-tokens", "48", "--logprobs", "-1", *rest])
+                      "--grid-depths", "", "--max-new-tokens", "48", "--logprobs", args.logprobs_k, *rest])
 
 
 if __name__ == "__main__":

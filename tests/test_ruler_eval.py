@@ -20,6 +20,7 @@ from vllm_kvevict.evaluation.ruler_eval import (
     markdown_tables,
     plot_accuracy_vs_kept,
     plot_needle_grid,
+    prompt_sha,
     results_csv,
     signature,
     summarize,
@@ -44,15 +45,24 @@ def record(setting: str, task: str, index: int, score: float, **kw) -> SampleRec
     return SampleRecord(setting=setting, task=task, index=index, score=score, **defaults)
 
 
-def test_record_log_resumes_and_drops_stale_settings(tmp_path) -> None:
+def test_record_log_resumes_and_drops_stale_settings_and_prompts(tmp_path) -> None:
     log = RecordLog(tmp_path / "samples.jsonl")
-    log.add(record("a", "vt", 0, 100.0, signature="old"))
-    log.add(record("a", "vt", 1, 0.0, signature="old"))
-    log.add(record("a", "vt", 0, 50.0, signature="new"))  # rerun of one sample
+    log.add(record("a", "vt", 0, 100.0, signature="old", prompt_sha="p0"))
+    log.add(record("a", "vt", 1, 0.0, signature="old", prompt_sha="p1"))
+    log.add(record("a", "vt", 0, 50.0, signature="new", prompt_sha="p0"))  # rerun of one sample
     again = RecordLog(tmp_path / "samples.jsonl")
-    assert again.get(("a", 4096, "vt", 0), "new").score == 50.0
-    assert again.get(("a", 4096, "vt", 1), "new") is None  # stale: other signature
-    assert again.get(("a", 4096, "vt", 1), "old").score == 0.0
+    assert again.get(("a", 4096, "vt", 0), "new", "p0").score == 50.0
+    assert again.get(("a", 4096, "vt", 0), "new", "other seed") is None
+    assert again.get(("a", 4096, "vt", 1), "new", "p1") is None  # stale: other signature
+    assert again.get(("a", 4096, "vt", 1), "old", "p1").score == 0.0
+
+
+def test_prompt_hash_changes_with_the_prompt_and_the_request() -> None:
+    sample = RulerSample("vt", 0, "prompt", ["x"], 100, 30, "string_match_all")
+    other = RulerSample("vt", 0, "prompt!", ["x"], 100, 30, "string_match_all")
+    base = prompt_sha(sample, 64, 20)
+    assert base == prompt_sha(sample, 30, 20) == prompt_sha(sample, 128, 20)  # capped at 30 either way
+    assert len({base, prompt_sha(other, 64, 20), prompt_sha(sample, 16, 20), prompt_sha(sample, 64, -1)}) == 4
 
 
 def test_signature_changes_with_anything_that_changes_the_server() -> None:
@@ -121,6 +131,7 @@ def test_kl_against_the_saved_full_cache_distributions(tmp_path) -> None:
     runner = EvalRunner.__new__(EvalRunner)
     runner.out_dir = tmp_path
     runner.log = RecordLog(tmp_path / "samples.jsonl")
+    runner.max_new_tokens, runner.logprobs = 64, 20
     sample = RulerSample("vt", 3, "p", ["x"], 100, 30, "string_match_all")
     rng = np.random.default_rng()
     vocab = 50
@@ -132,12 +143,16 @@ def test_kl_against_the_saved_full_cache_distributions(tmp_path) -> None:
     policy_lp = log_softmax(rng.normal(size=(4, vocab))).astype(np.float32)
     full = Completion("a", [1, 2, 3, 4], 0.1, full_lp)
     assert runner._compare(parse_setting("full"), 1024, sample, full) == (0, 0.0)
-    runner.log.add(SampleRecord(FULL, "s", 1024, "vt", 3, 100, "a", 0.0, [1, 2, 3, 4]))
+    runner.log.add(SampleRecord(FULL, "s", 1024, "vt", 3, 100, "a", 0.0, [1, 2, 3, 4],
+                                prompt_sha=prompt_sha(sample, 64, 20)))
     policy = Completion("b", [1, 2, 9, 4], 0.1, policy_lp)  # parts at position 2
     positions, total = runner._compare(parse_setting("snapkv@0.5"), 1024, sample, policy)
     assert positions == 3  # positions 0, 1, 2 condition on the same text
     expected = sum(kl_divergence(full_lp[i], policy_lp[i]) for i in range(3))
     assert total == pytest.approx(expected, rel=1e-6)
+    # A full-cache record of another prompt (another seed) is no reference.
+    runner.max_new_tokens = 16
+    assert runner._compare(parse_setting("snapkv@0.5"), 1024, sample, policy) == (0, 0.0)
     p = np.exp(full_lp[0].astype(np.float64))
     assert kl_divergence(full_lp[0], policy_lp[0]) == pytest.approx(
         float(np.sum(p * (full_lp[0] - policy_lp[0]))), rel=1e-5)

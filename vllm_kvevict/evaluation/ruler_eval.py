@@ -71,11 +71,17 @@ class SampleRecord:
     kl_sum: float = 0.0
     seconds: float = 0.0
     budget: int | None = None  # tokens per (layer, KV head); None: no eviction or unknown
+    prompt_sha: str = ""  # the prompt and request it answers (another seed: another prompt)
     tokens_kept: float | None = None  # mean tokens a (layer, KV head) held, this server
 
     @property
     def key(self) -> tuple[str, int, str, int]:
         return (self.setting, self.length, self.task, self.index)
+
+
+def prompt_sha(sample: RulerSample, max_tokens: int, logprobs: int) -> str:
+    text = json.dumps([sample.prompt, min(sample.tokens_to_generate, max_tokens), logprobs])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def signature(setting: ServingSetting, eviction: dict[str, Any] | None, server_args: str) -> str:
@@ -96,9 +102,10 @@ class RecordLog:
                     record = SampleRecord(**json.loads(line))
                     self.records[record.key] = record  # the last line of a key wins
 
-    def get(self, key: tuple[str, int, str, int], signature: str) -> SampleRecord | None:
+    def get(self, key: tuple[str, int, str, int], signature: str, prompt_sha: str) -> SampleRecord | None:
         record = self.records.get(key)
-        return record if record is not None and record.signature == signature else None
+        fresh = record is not None and record.signature == signature and record.prompt_sha == prompt_sha
+        return record if fresh else None
 
     def add(self, record: SampleRecord) -> None:
         with self.lock:
@@ -173,6 +180,9 @@ class EvalRunner:
         self.log = RecordLog(out_dir / "samples.jsonl")
         self.vocab_size = len(tokenizer)
 
+    def _prompt_sha(self, sample: RulerSample) -> str:
+        return prompt_sha(sample, self.max_new_tokens, self.logprobs)
+
     def reference_path(self, length: int, sample: RulerSample) -> Path:
         return self.out_dir / "full_logprobs" / str(length) / f"{sample.task}__{sample.index}.npy"
 
@@ -190,7 +200,8 @@ class EvalRunner:
         mean_prompt = sum(s.prompt_tokens for s in samples) / len(samples)
         eviction = eviction_config(setting, mean_prompt, context=f"setting {setting.name} at {length} tokens")
         sig = signature(setting, eviction, self.server_args)
-        todo = [s for s in samples if self.log.get((setting.name, length, s.task, s.index), sig) is None]
+        todo = [s for s in samples if self.log.get(
+            (setting.name, length, s.task, s.index), sig, self._prompt_sha(s)) is None]
         if not todo:
             return
         if setting.managed:
@@ -201,8 +212,7 @@ class EvalRunner:
             work = self.out_dir / "servers" / f"{setting.name}_{length}".replace("/", "_")
             work.mkdir(parents=True, exist_ok=True)
             args = self.server_args.split() + ["--max-model-len", str(length + self.max_new_tokens + 64)]
-            if self.logprobs < 0:
-                args += ["--max-logprobs", "-1"]
+            args += ["--max-logprobs", str(self.logprobs if self.logprobs < 0 else max(20, self.logprobs))]
             if eviction is not None:
                 args += ["--kv-eviction", eviction["policy"], "--kv-eviction-config", json.dumps(eviction)]
             server = VllmServer(self.model, args, stats_path=work / "stats.json", log_path=work / "server.log")
@@ -236,7 +246,7 @@ class EvalRunner:
             record = SampleRecord(
                 setting.name, sig, length, sample.task, sample.index, sample.prompt_tokens,
                 completion.text, sample.score(completion.text), completion.token_ids,
-                positions, kl_sum, completion.seconds, budget, kept,
+                positions, kl_sum, completion.seconds, budget, self._prompt_sha(sample), kept,
             )
             self.log.add(record)
             bar.update()
@@ -257,7 +267,7 @@ class EvalRunner:
             np.save(path, completion.logprobs)
             return 0, 0.0
         reference = self.log.records.get((FULL, length, sample.task, sample.index))
-        if reference is None or not path.exists():
+        if reference is None or reference.prompt_sha != self._prompt_sha(sample) or not path.exists():
             return 0, 0.0
         full = Completion(reference.prediction, reference.token_ids, reference.seconds, np.load(path))
         return compare_to_full(full, completion)
