@@ -11,11 +11,13 @@ DELEGATED = {
     "eval": "RULER quality of eviction settings through vllm serve: CSV, Markdown, plots",
     "bench": "serving capacity under a constrained KV pool, with and without eviction",
     "soak": "bounded load test against vllm serve --kv-eviction",
+    "train-gates": "train retention gates (learned global eviction) for a frozen model",
 }
 DELEGATED_MODULES = {
     "eval": "vllm_kvevict.evaluation.ruler_eval",
     "bench": "vllm_kvevict.evaluation.serving_bench",
     "soak": "vllm_kvevict.evaluation.soak",
+    "train-gates": "vllm_kvevict.training.train_gates",
 }
 
 

