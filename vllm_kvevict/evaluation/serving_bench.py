@@ -54,6 +54,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import requests
 
+from vllm_kvevict.evaluation.ruler import load_tokenizer
 from vllm_kvevict.evaluation.server import parse_metrics, scrape, scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import (
     DEFAULT_BLOCK_SIZE,
@@ -761,12 +762,6 @@ def write_outputs(out: Path, runs: Sequence[dict[str, Any]], header: str) -> str
 # ---------------------------------------------------------------- command
 
 
-def _load_tokenizer(source: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)
-
-
 def _read_model_config(model: str) -> dict[str, Any] | None:
     path = Path(model) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -952,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("the server does not name its model's path: pass --tokenizer")
         tokenizer_source = root
     try:
-        tokenizer = _load_tokenizer(tokenizer_source)
+        tokenizer = load_tokenizer(tokenizer_source)
     except (OSError, ValueError) as exc:
         parser.error(f"cannot load the tokenizer {tokenizer_source!r} ({exc}); pass --tokenizer "
                      "with a local copy of the served model's tokenizer")
