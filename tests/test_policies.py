@@ -232,7 +232,7 @@ def test_streamingllm_dense_sequence():
 def test_policy_registry():
     assert sorted(POLICIES) == [
         "criticalkv", "expected_attention", "h2o", "keydiff", "knorm",
-        "momentkv", "random", "snapkv", "streamingllm", "tova",
+        "learned", "momentkv", "random", "snapkv", "streamingllm", "tova",
     ]
     assert policy_options("snapkv") == {"kernel_size": 7, "pooling": "max"}
     assert policy_options("streamingllm") == {}

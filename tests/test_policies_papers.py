@@ -378,6 +378,9 @@ def test_every_policy_keeps_its_budget_exactly(name, seed):
         torch.full((heads,), 5.0), torch.randn(heads, dim, generator=gen),
         torch.randn(heads, dim, generator=gen), torch.randn(heads, dim, dim, generator=gen),
     )
+    # The learned policy scores with each token's gate output (log β).
+    inputs.log_beta = torch.nn.functional.logsigmoid(torch.randn(heads, live, generator=gen) + 4)
+    inputs.step = 80
     policy = make_policy(name)
     kept = policy.select(inputs, 30, 4, 8, point=80)
     assert kept.shape == (heads, 30)

@@ -27,6 +27,7 @@ def register() -> None:
 
     from vllm_kvevict.metrics import install_metrics_export
     from vllm_kvevict.vllm_glue.cli import install_cli
+    from vllm_kvevict.vllm_glue.gate_capture import install_model_load_hook
     from vllm_kvevict.vllm_glue.spec import register_spec
 
     # The CPU platform ignores --attention-backend but resolves CPU_ATTN through
@@ -35,4 +36,5 @@ def register() -> None:
     register_spec()
     install_cli()
     install_metrics_export()
+    install_model_load_hook()
     _registered = True

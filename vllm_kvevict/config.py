@@ -15,7 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
-from vllm_kvevict.policies.allocation import AdaKVAllocation, HeadAllocation, UniformAllocation
+from vllm_kvevict.policies.allocation import (
+    AdaKVAllocation,
+    GlobalAllocation,
+    HeadAllocation,
+    UniformAllocation,
+)
 from vllm_kvevict.schedule import EvictionSchedule
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -87,12 +92,14 @@ class EvictionConfig(BaseModel):
         "(vLLM's on a shifted block table with slots storage, ours over per-head page "
         "tables), 'torch' the reference implementation",
     )
-    head_budget: Literal["uniform", "adaptive"] = Field(
-        "uniform",
-        description="how a layer's retained tokens are split across its KV heads: "
-        "uniform (every head keeps budget tokens) or adaptive (AdaKV: the layer keeps "
-        "budget x KV heads tokens, the highest-scoring across its heads, each head at "
-        "least head_budget_floor of an equal share; needs storage head_pages)",
+    head_budget: Literal["uniform", "adaptive", "global"] = Field(
+        None,  # type: ignore[assignment]  # resolved per policy: global for learned
+        description="how retained tokens are split across KV heads: uniform (every head "
+        "keeps budget tokens; the default) or adaptive (AdaKV: each layer keeps budget x "
+        "KV heads tokens, the highest-scoring across its heads, each head at least "
+        "head_budget_floor of an equal share) or global (policy learned, DBTrimKV: the "
+        "request keeps budget x layers x KV heads tokens, the highest-scoring across every "
+        "layer and head; the default for learned); adaptive and global need storage head_pages",
     )
     head_budget_floor: float = Field(
         0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
@@ -133,6 +140,8 @@ class EvictionConfig(BaseModel):
             data = {**data, "prefill_mode": policy.default_prefill_mode}
         if data.get("moment_correction") is None:
             data = {**data, "moment_correction": bool(policy and policy.needs_moments)}
+        if data.get("head_budget") is None:
+            data = {**data, "head_budget": policy.default_head_budget if policy else "uniform"}
         if data.get("observation_window") is None:
             data = {**data, "observation_window": policy.default_observation_window if policy else 32}
         return data
@@ -161,9 +170,22 @@ class EvictionConfig(BaseModel):
                 "statistics, which only moment_correction keeps; set moment_correction: true "
                 "or policy momentkv, or drop moment_covariance"
             )
+        policy = POLICIES[self.policy]
+        if self.head_budget == "global" and not policy.global_scores:
+            raise ValueError(
+                f"head_budget 'global' ranks the tokens of every layer on one scale, which "
+                f"policy {self.policy!r} does not give; use head_budget 'adaptive' (per layer) "
+                "or policy 'learned'"
+            )
+        if policy.needs_log_beta and self.head_budget != "global":
+            raise ValueError(
+                f"policy {self.policy!r} ranks tokens across every layer and KV head; drop "
+                f"head_budget {self.head_budget!r} (its default is 'global')"
+            )
         if self.storage == "slots" and self.needs_head_pages:
             raise ValueError(
-                "head_budget 'adaptive' and moment_correction need storage 'head_pages'; "
+                "head_budget 'adaptive' or 'global' and moment_correction need storage "
+                "'head_pages'; "
                 "drop storage 'slots'"
             )
         make_policy(self.policy, self.policy_options)
@@ -182,6 +204,8 @@ class EvictionConfig(BaseModel):
     def build_allocation(self) -> HeadAllocation:
         if self.head_budget == "adaptive":
             return AdaKVAllocation(self.head_budget_floor)
+        if self.head_budget == "global":
+            return GlobalAllocation(floor=int(self.policy_options.get("min_tokens_per_head", 0)))
         return UniformAllocation()
 
     def check_block_size(self, block_size: int) -> None:

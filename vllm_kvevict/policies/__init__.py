@@ -14,6 +14,7 @@ from vllm_kvevict.policies.keydiff import KeyDiffPolicy
 from vllm_kvevict.policies.knorm import KnormPolicy
 from vllm_kvevict.policies.momentkv import MomentKVPolicy
 from vllm_kvevict.policies.random_policy import RandomPolicy
+from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.policies.streaming_llm import StreamingLLMPolicy
 from vllm_kvevict.policies.tova import TOVAPolicy
@@ -22,7 +23,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
     for cls in (
         StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy,
-        ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy,
+        ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy, LearnedRetentionPolicy,
     )
 }
 
@@ -61,6 +62,7 @@ __all__ = [
     "H2OPolicy",
     "KeyDiffPolicy",
     "KnormPolicy",
+    "LearnedRetentionPolicy",
     "MomentKVPolicy",
     "RandomPolicy",
     "RotaryFrequencies",

@@ -18,6 +18,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.retention_gate import global_top_b
+
 
 @dataclass
 class HeadAllocation(ABC):
@@ -86,8 +88,28 @@ class AdaKVAllocation(HeadAllocation):
         return torch.bincount(chosen // num_live, minlength=num_heads)
 
 
+@dataclass
+class GlobalAllocation(HeadAllocation):
+    """One ranking over every stream it is given (DBTrimKV's global top-B):
+    the serving backend and the reference stack every (layer, KV head) of a
+    request into ``scores [L * H, S]``, so layers and heads get the capacity
+    their scores claim. Scores must sit on one scale across layers (the
+    learned policy's). ``floor``: tokens every stream keeps of its own best
+    (the authors' ``min_tokens_per_head``)."""
+
+    name = "global"
+    floor: int = 0
+
+    def floor_tokens(self, total: int, num_heads: int) -> int:
+        return min(self.floor, total // max(num_heads, 1))
+
+    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        floor = self.floor_tokens(total, scores.shape[0])
+        return global_top_b(scores, total, floor).sum(-1)
+
+
 ALLOCATIONS: dict[str, type[HeadAllocation]] = {
-    cls.name: cls for cls in (UniformAllocation, AdaKVAllocation)
+    cls.name: cls for cls in (UniformAllocation, AdaKVAllocation, GlobalAllocation)
 }
 
 

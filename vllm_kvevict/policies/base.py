@@ -82,6 +82,8 @@ class ScoringInputs:
     evicted: EvictedMoments | None = None  # for policies with needs_moments
     rotary: RotaryFrequencies | None = None  # for policies with needs_rotary
     output_projection: torch.Tensor | None = None  # for needs_output_projection
+    log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
+    step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
 
     @property
     def num_kv_heads(self) -> int:
@@ -104,6 +106,13 @@ class EvictionPolicy(ABC):
     """Scores with the model's RoPE frequencies (:class:`RotaryFrequencies`)."""
     needs_output_projection: ClassVar[bool] = False
     """Scores with the layer's output projection, per query head."""
+    needs_log_beta: ClassVar[bool] = False
+    """Scores with the log retention each token's gate gave it when it was
+    written (:mod:`retention_gate`), passed as ``log_beta`` with ``step``."""
+    global_scores: ClassVar[bool] = False
+    """Scores sit on one scale across layers, so one ranking over every
+    (layer, KV head) can split the budget (``head_budget: global``)."""
+    default_head_budget: ClassVar[str] = "uniform"
     default_observation_window: ClassVar[int] = 32
     """Recent queries the policy reads when the config sets no
     ``observation_window``."""

@@ -20,11 +20,15 @@ of different layers sit on one scale; ``log β = logsigmoid(·)``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 
 # log β is clamped below this before log(1 - β^H) - log(1 - β) (spec §3.7):
 # at β = 1 both vanish and the ratio is the horizon H.
@@ -146,3 +150,51 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
         extra = torch.topk(rest, min(spare, int((rest > float("-inf")).sum()))).indices
         keep.view(-1)[extra] = True
     return keep
+
+
+@dataclass
+class LearnedRetentionPolicy(EvictionPolicy):
+    """Learned global eviction (DBTrimKV): a token's worth is its gate's
+    retention β raised to the age it will have (E21), one scale for every
+    layer and KV head, so the budget is split by one global top-B
+    (``head_budget: global``, :class:`~vllm_kvevict.policies.allocation.GlobalAllocation`).
+
+    Options:
+        gates: a folder of gate weights, from ``kvevict train-gates`` (config.json
+            + gates.pt) or the authors' (config.json + trimkv_weights.pth);
+            None: the gates shipped for the model being served.
+        horizon: lookahead steps of E21 (the authors: 1 in their cache class,
+            2 in their lmms-eval runs).
+        min_tokens_per_head: each (layer, KV head) keeps at least this many of
+            its own best tokens (the authors' ``min_tokens_per_head``, 0).
+    """
+
+    name: ClassVar[str] = "learned"
+    needs_log_beta: ClassVar[bool] = True
+    global_scores: ClassVar[bool] = True
+    default_head_budget: ClassVar[str] = "global"
+
+    gates: str | None = None
+    horizon: int = 1
+    min_tokens_per_head: int = 0
+
+    def __post_init__(self) -> None:
+        if self.horizon < 1:
+            raise ValueError(f"learned: horizon must be at least 1, not {self.horizon}")
+        if self.min_tokens_per_head < 0:
+            raise ValueError(
+                f"learned: min_tokens_per_head must be >= 0, not {self.min_tokens_per_head}"
+            )
+        if self.gates is not None and not os.path.isdir(self.gates):
+            raise ValueError(
+                f"learned: gates {self.gates!r} is not a folder; pass the folder written by "
+                "kvevict train-gates (config.json + gates.pt) or an authors' checkpoint "
+                "(config.json + trimkv_weights.pth), or leave gates unset for the shipped ones"
+            )
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        if inputs.log_beta is None or inputs.step is None:
+            raise ValueError("the learned policy scores with log_beta and step; none were given")
+        return lookahead_log_score(
+            inputs.log_beta.float(), inputs.key_positions, inputs.step, self.horizon
+        )

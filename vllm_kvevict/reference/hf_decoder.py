@@ -51,6 +51,7 @@ class _LayerStore:
     keys: torch.Tensor | None = None  # [H, S, D] post-RoPE
     values: torch.Tensor | None = None  # [H, S, D]
     positions: torch.Tensor | None = None  # [H, S] int64, sorted per head
+    log_beta: torch.Tensor | None = None  # [H, S] fp32, the learned policy's gate output
     query_history: torch.Tensor | None = None  # [Hq, t, D] post-RoPE
     query_positions: torch.Tensor | None = None  # [t] int64, sorted
     # head_pages storage: heads hold different numbers of tokens; shorter heads
@@ -132,10 +133,35 @@ class ReferenceEvictingDecoder:
             set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         )
 
+        # The learned policy: the gates read each layer's attention input,
+        # captured by a forward pre-hook on transformers' attention modules.
+        self.gates = None
+        self._pending_log_beta: dict[int, torch.Tensor] = {}
+        if self.policy is not None and self.policy.needs_log_beta:
+            from vllm_kvevict.policies.gate_checkpoints import gates_for_model
+
+            hf = self.model.config
+            self.gates = gates_for_model(
+                getattr(self.policy, "gates", None), hf.hidden_size, hf.num_hidden_layers,
+                hf.num_key_value_heads, str(model_dir),
+            ).to(dtype).eval()
+            for index, layer in enumerate(self.model.model.layers):
+                layer.self_attn.register_forward_pre_hook(
+                    self._capture_gate_input(index), with_kwargs=True
+                )
+
         self._layers: list[_LayerStore] = []
         self._step: _Step | None = None
         self.retained_positions: list[torch.Tensor] = []
         self.processed_tokens: int = 0
+
+    def _capture_gate_input(self, index: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            assert self.gates is not None
+            self._pending_log_beta[index] = self.gates(index, hidden[0])  # [T, H]
+
+        return hook
 
     # ------------------------------------------------------------------ decode
 
@@ -190,6 +216,8 @@ class ReferenceEvictingDecoder:
                 use_cache=False,
                 logits_to_keep=1,
             )
+            if self.config is not None and self.config.head_budget == "global":
+                self._evict_global(self._step)
         finally:
             self._step = None
         return output.logits[0, -1].float()
@@ -231,13 +259,17 @@ class ReferenceEvictingDecoder:
         )
         store.query_history = _cat(store.query_history, q, dim=1)
         store.query_positions = _cat(store.query_positions, step_pos, dim=0)
+        if self.gates is not None:
+            log_beta = self._pending_log_beta.pop(module.layer_idx).float()  # [T, H]
+            store.log_beta = _cat(store.log_beta, log_beta.T, dim=1)
+        self._scale = scale
 
         if self.config is not None and self.config.moment_correction:
             out = self._attend_corrected(q, store, step_pos, scale)
         else:
             out = self._attend(q, store, step_pos, scale)
 
-        if self.config is not None:
+        if self.config is not None and self.config.head_budget != "global":
             self._evict(store, step, scale, self._model_parts(module))
             # Future eviction points are > n_after, so they only look at
             # queries at positions >= n_after - observation_window.
@@ -456,3 +488,61 @@ class ReferenceEvictingDecoder:
             elif self.config.moment_covariance == "none":
                 s_tilde = s_tilde.new_zeros(0)
             store.moments.append((n_e, s_k / max(n_e, 1), s_v / max(n_e, 1), s_tilde))
+
+    def _evict_global(self, step: _Step) -> None:
+        """head_budget global, after every layer ran: the request keeps
+        ``L * H * (point // bs - frontier // bs)`` whole pages of tokens, split
+        over every (layer, KV head) by one ranking (DBTrimKV's global top-B)."""
+        assert self.config is not None and self.schedule is not None and self.policy is not None
+        points = self.schedule.eviction_points_in_step(step.n_before, step.n_after, step.prompt_len)
+        if not points:
+            return
+        if points != [step.n_after]:
+            raise AssertionError(f"step {step} crosses eviction points {points}")
+        point = points[0]
+        frontier = self.schedule.frontier_at_point(point)
+        if frontier <= self.schedule.frontier(step.n_before, step.prompt_len):
+            return
+        bs, stores = self.block_size, self._layers
+        gathered, scores = [], []
+        for store in stores:
+            assert store.keys is not None and store.values is not None
+            assert store.positions is not None and store.log_beta is not None
+            order = torch.sort(store.positions, dim=-1, stable=True).indices
+            live = torch.gather(store.positions, 1, order) < PADDING_POSITION
+            width = int(live.sum(-1).max())
+            order, live = order[:, :width], live[:, :width]
+            taken = [
+                torch.gather(t, 1, order if t.dim() == 2 else order[..., None].expand(-1, -1, t.shape[-1]))
+                for t in (store.keys, store.values, store.positions, store.log_beta)
+            ]
+            inputs = ScoringInputs(
+                keys=taken[0], values=taken[1], key_positions=taken[2], queries=None,
+                query_positions=None, scale=self._scale, log_beta=taken[3], step=point,
+            )
+            scores.append(self.policy.masked_scores(
+                inputs, self.config.sink_tokens, self.config.recent_window, point, live
+            ))
+            gathered.append(taken)
+        num_heads = scores[0].shape[0]
+        width = max(score.shape[1] for score in scores)
+        stacked = torch.full((len(stores) * num_heads, width), float("-inf"))
+        for layer, score in enumerate(scores):
+            stacked[layer * num_heads : (layer + 1) * num_heads, : score.shape[1]] = score
+        total_pages = len(stores) * num_heads * (point // bs - frontier // bs)
+        counts = allocate_head_tokens(self.config.build_allocation(), stacked, total_pages, bs)
+        kept = select_top(stacked, counts)
+        for layer, (store, (keys, values, positions, log_beta)) in enumerate(zip(stores, gathered)):
+            rows = slice(layer * num_heads, (layer + 1) * num_heads)
+            layer_counts, layer_kept = counts[rows], kept[rows]
+            new_width = max(int(layer_counts.max()), 1)
+            store.keys = keys.new_zeros(num_heads, new_width, keys.shape[-1])
+            store.values = values.new_zeros(num_heads, new_width, values.shape[-1])
+            store.positions = torch.full((num_heads, new_width), PADDING_POSITION, dtype=torch.int64)
+            store.log_beta = torch.zeros(num_heads, new_width)
+            for h, count in enumerate(layer_counts.tolist()):
+                index = layer_kept[h, :count]
+                store.keys[h, :count] = keys[h, index]
+                store.values[h, :count] = values[h, index]
+                store.positions[h, :count] = positions[h, index]
+                store.log_beta[h, :count] = log_beta[h, index]

@@ -19,16 +19,15 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vllm_kvevict.policies.gate_checkpoints import CHECKPOINT_FILE, CONFIG_FILE, load_gates, save_gates
 from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
 
-CHECKPOINT_FILE = "gates.pt"
-CONFIG_FILE = "config.json"
+__all__ = ["load_gates", "main", "save_gates"]
 
 
 def corpus_texts() -> list[str]:
@@ -68,22 +67,6 @@ def gate_config_for(model_config: Any, width: int, bias_init: float) -> Retentio
         num_kv_heads=model_config.num_key_value_heads, width=width, bias_init=bias_init,
         activation=getattr(model_config, "hidden_act", "silu"),
     )
-
-
-def save_gates(out: Path, gates: RetentionGates, extra: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.to(torch.float16) for k, v in gates.state_dict().items()}, out / CHECKPOINT_FILE)
-    (out / CONFIG_FILE).write_text(json.dumps({"gate": asdict(gates.config), **extra}, indent=1))
-
-
-def load_gates(folder: str | Path) -> RetentionGates:
-    """Gates saved by ``save_gates`` (fp16 on disk, fp32 in memory)."""
-    folder = Path(folder)
-    config = json.loads((folder / CONFIG_FILE).read_text())["gate"]
-    gates = RetentionGates(RetentionGateConfig(**config))
-    state = torch.load(folder / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
-    gates.load_state_dict({k: v.float() for k, v in state.items()})
-    return gates
 
 
 def main(argv: list[str] | None = None) -> int:

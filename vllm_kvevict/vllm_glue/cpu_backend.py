@@ -67,7 +67,9 @@ from vllm_kvevict.vllm_glue.cpu_head_pages import (
     HeadPagedCache,
     assign_pages,
     block_head_pages,
+    gather_log_beta,
 )
+from vllm_kvevict.vllm_glue.gate_capture import current_capture
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
 from vllm_kvevict.vllm_glue.runner_hooks import (
@@ -211,6 +213,9 @@ class EvictionStepPlan:
     allocation: HeadAllocation | None = None
     state_rows: torch.Tensor | None = None  # [num_reqs] each request's state row
     region_start: torch.Tensor | None = None  # [num_reqs] standard region start at step start
+    # head_budget global: one ranking over every layer at the end of the step
+    global_eviction: bool = False
+    local_kv_heads: torch.Tensor | None = None  # this rank's KV heads among the model's
 
 
 @dataclass
@@ -247,11 +252,20 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             cpu_ops.load_cpu_ops()
         max_head_pages = 0
         retained_capacity = self.schedule.retained_capacity()
+        self.global_eviction = config.head_budget == "global"
         if self.head_paged:
             # After an eviction a request's compacted tokens fill the blocks
             # [F, P // bs), fewer than budget // bs + 1 of them; one head may
-            # take every head-page they hold.
-            max_head_pages = kv_cache_spec.num_kv_heads * (config.budget // self.block_size + 1)
+            # take every head-page they hold (with global eviction, those of
+            # every layer, but never more than a whole sequence).
+            streams = kv_cache_spec.num_kv_heads
+            if self.global_eviction:
+                streams *= len(layer_names)
+            max_head_pages = streams * (config.budget // self.block_size + 1)
+            if self.global_eviction:
+                max_head_pages = min(
+                    max_head_pages, cdiv(vllm_config.model_config.max_model_len, self.block_size)
+                )
             retained_capacity = max_head_pages * self.block_size
         self.state = WorkerEvictionState(
             num_layers=len(layer_names),
@@ -280,6 +294,9 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 f"parallel size of at most {total_kv_heads}"
             )
         self.first_replica_rank = rank // self.kv_head_replicas * self.kv_head_replicas
+        # With global eviction each rank ranks its own KV heads' streams.
+        num_local = kv_cache_spec.num_kv_heads
+        self.local_kv_heads = torch.arange(num_local) + rank // self.kv_head_replicas * num_local
         # Every rank applies the same evictions: rank 0 alone reports them (a
         # series exported twice with the same labels would be invalid), each
         # rank its own side buffers.
@@ -423,6 +440,8 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             plan.allocation = self.allocation
             plan.state_rows = torch.tensor(rows, dtype=torch.int64)
             plan.region_start = torch.tensor(region_starts, dtype=torch.int64)
+            plan.global_eviction = self.global_eviction
+            plan.local_kv_heads = self.local_kv_heads
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictCPUMetadata(**values, eviction=plan)
 
@@ -553,7 +572,10 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 # block may be a poisoned one, so clear its unwritten tail (as
                 # vLLM zeroes new blocks when stale bytes could decode to NaN).
                 self._clear_slots(layer, plan.unwritten_tail_slots, key, key_cache, value_cache)
-        if plan.allocation is not None:
+        if plan.global_eviction:
+            self._global_forward(plan, layer, layer_index, query, head_paged_view(kv_cache),
+                                 attn_metadata, output)
+        elif plan.allocation is not None:
             self._head_paged_forward(plan, layer_index, query, head_paged_view(kv_cache), output)
         elif plan.config.cpu_attention == "native":
             super().forward(
@@ -622,6 +644,135 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                     torch.tensor([ev.point], dtype=torch.int64),
                 )
         plan.eviction_seconds += time.perf_counter() - started
+
+    def _global_forward(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        layer_index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """head_budget global: store this step's log β, attend over the layer's
+        page tables (pages of any layer), and after the last layer rank every
+        layer's tokens together (spec §5.3: compress between forward passes).
+
+        Eviction points inside the step are applied at its end, at the last
+        one: tokens of the step after a point attend to the uncompacted cache,
+        which the request holds during the step anyway. The blocks freed are
+        the schedule's, so the scheduler's accounting is unchanged.
+        """
+        assert plan.state_rows is not None and plan.region_start is not None
+        state, bs = plan.state, plan.schedule.block_size
+        whole, offset = state.global_kv(layer_index, kv_cache)
+        num_tokens, num_reqs = plan.query_start[-1], len(plan.seq_lens)
+        if plan.policy.needs_log_beta:
+            capture = current_capture()
+            if capture is None:
+                raise RuntimeError("policy 'learned' is serving, but no retention gates were loaded")
+            assert plan.local_kv_heads is not None
+            log_beta = capture.take(layer.layer_name, num_tokens)[:, plan.local_kv_heads]
+            slots = attn_metadata.slot_mapping[:num_tokens].long()
+            heads = torch.arange(kv_cache.shape[1])
+            pages = (offset + slots // bs)[:, None] * kv_cache.shape[1] + heads[None, :]
+            state.log_beta_pages[pages, (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
+        tokens = slice(0, num_tokens)
+        self._head_paged_attention(
+            plan, layer_index, query[tokens], whole, output[tokens],
+            torch.tensor(plan.query_start, dtype=torch.int32),
+            torch.tensor(plan.seq_lens, dtype=torch.int32),
+            plan.state_rows, plan.block_table[:num_reqs] + offset, plan.region_start,
+        )
+        if layer_index != state.num_layers - 1:
+            return
+        started = time.perf_counter()
+        last: dict[int, RequestEviction] = {}
+        for ev in plan.evictions:
+            if ev.compacts:
+                last[ev.batch_index] = ev
+        for ev in last.values():
+            self._compact_global(plan, ev)
+        plan.eviction_seconds += time.perf_counter() - started
+
+    def _compact_global(self, plan: EvictionStepPlan, ev: RequestEviction) -> None:
+        """Keep the best tokens below ``ev.point`` over every (layer, KV head)
+        of the request, in the head-pages of every layer's blocks
+        ``[frontier_after, point // bs)``."""
+        assert plan.allocation is not None and plan.region_start is not None
+        config, state, bs = plan.config, plan.state, plan.schedule.block_size
+        assert state.global_cache is not None
+        row, i = ev.state_row, ev.batch_index
+        region_start = int(plan.region_start[i])
+        frontier_before = plan.frontier_before[i]
+        cache = HeadPagedCache(state.global_cache, plan.page_layout)
+        num_layers, num_heads = state.num_layers, cache.num_heads
+        block_row = plan.block_table[i]
+        # Gather every layer first: a stream's new pages may be another
+        # layer's old ones.
+        gathered, scores = [], []
+        for layer_index in range(num_layers):
+            offset = state.layer_block_offset[layer_index]
+            pages = state.head_pages[layer_index, row]
+            lens = state.head_lens[layer_index, row]
+            tokens = cache.gather_live(
+                pages, lens, state.positions[layer_index, row], block_row + offset,
+                region_start, ev.point,
+            )
+            log_beta = gather_log_beta(
+                state.log_beta_pages, pages, lens, block_row + offset, region_start, ev.point
+            )
+            inputs = ScoringInputs(
+                tokens.keys, tokens.values, tokens.positions, None, None, self.scale,
+                log_beta=log_beta, step=ev.point,
+            )
+            scores.append(plan.policy.masked_scores(
+                inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
+            ))
+            gathered.append((tokens, log_beta))
+        width = max(score.shape[1] for score in scores)
+        stacked = torch.full((num_layers * num_heads, width), float("-inf"))
+        for layer_index, score in enumerate(scores):
+            stacked[layer_index * num_heads : (layer_index + 1) * num_heads, : score.shape[1]] = score
+        kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
+        free_pages = torch.cat([
+            block_head_pages(kept_blocks + state.layer_block_offset[layer_index], num_heads)
+            for layer_index in range(num_layers)
+        ])
+        counts = allocate_head_tokens(plan.allocation, stacked, free_pages.numel(), bs)
+        kept = select_top(stacked, counts)
+        counts_list = counts.tolist()
+        new_pages = assign_pages(free_pages, counts_list, bs)
+        record = state.last_compaction.setdefault(ev.request_id, {})
+        record.update(point=ev.point, frontier=ev.frontier_after, head_lens=[])
+        for layer_index, (tokens, log_beta) in enumerate(gathered):
+            pages = state.head_pages[layer_index, row]
+            positions = state.positions[layer_index, row]
+            layer_counts = counts_list[layer_index * num_heads : (layer_index + 1) * num_heads]
+            for h, count in enumerate(layer_counts):
+                stream = layer_index * num_heads + h
+                index = kept[stream, :count]
+                stream_pages = new_pages[stream]
+                cache.write_compacted(stream_pages, tokens.keys[h, index], tokens.values[h, index])
+                if count:
+                    page_rows = state.log_beta_pages[stream_pages.long()]
+                    page_rows.view(-1)[:count] = log_beta[h, index]
+                    state.log_beta_pages[stream_pages.long()] = page_rows
+                pages[h, : stream_pages.numel()] = stream_pages
+                positions[h, :count] = tokens.positions[h, index]
+            state.head_lens[layer_index, row] = torch.tensor(layer_counts, dtype=state.head_lens.dtype)
+            state.observe_head_retained(layer_counts)
+            record["head_lens"].append(layer_counts)
+        if state.poison_freed_blocks:
+            used = sum(p.numel() for p in new_pages)
+            cache.poison_pages(free_pages[used:])
+            if ev.point % bs:
+                block = int(block_row[ev.point // bs])
+                for offset in state.layer_block_offset.values():
+                    cache.poison_standard_prefix(block + offset, ev.point % bs)
+            # The scheduler returns these to the pool once this step is done.
+            state.poison(block_row[frontier_before // bs : ev.frontier_after // bs])
 
     def _head_paged_attention(
         self,

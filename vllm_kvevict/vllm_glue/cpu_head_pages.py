@@ -167,3 +167,32 @@ def block_head_pages(block_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The head-page ids of ``block_ids``, block-major: ``b * H + s``."""
     slots = torch.arange(num_heads, dtype=torch.int64)
     return (block_ids.long()[:, None] * num_heads + slots[None, :]).flatten().to(torch.int32)
+
+
+def gather_log_beta(
+    log_beta_pages: torch.Tensor,
+    pages: torch.Tensor,
+    lens: torch.Tensor,
+    block_row: torch.Tensor,
+    region_start: int,
+    point: int,
+) -> torch.Tensor:
+    """The log β of the tokens :meth:`HeadPagedCache.gather_live` returns, in
+    the same order: ``[H, S]`` fp32, 0 for padding.
+
+    ``log_beta_pages [num_head_pages, bs]`` holds one value per slot of every
+    head-page (compacted pages in logical order, standard slots by slot).
+    """
+    num_heads = pages.shape[0]
+    bs = log_beta_pages.shape[1]
+    lengths = lens.tolist()
+    num_standard = point - region_start
+    out = torch.zeros(num_heads, max(lengths) + num_standard, dtype=torch.float32)
+    slots = torch.arange(region_start, point)
+    standard_pages = block_row[slots // bs].long()[None, :] * num_heads + torch.arange(num_heads)[:, None]
+    standard = log_beta_pages[standard_pages, (slots % bs)[None, :].expand(num_heads, -1)]
+    for h, length in enumerate(lengths):
+        if length:
+            out[h, :length] = log_beta_pages[pages[h, : cdiv(length, bs)].long()].reshape(-1)[:length]
+        out[h, length : length + num_standard] = standard[h]
+    return out

@@ -82,6 +82,12 @@ class WorkerEvictionState:
         self.head_lens = torch.empty(0, dtype=torch.int32)
         self.region_start = torch.empty(0, dtype=torch.int64)
         self.summaries: list[EvictedSummary] = []
+        # Global eviction (head_budget global): every layer's cache seen as one
+        # pool of blocks, so a head's page table may name pages of any layer,
+        # and the log β of every cached token, one fp32 per head-page slot.
+        self.global_cache: torch.Tensor | None = None  # [total_blocks, H, 2 * bs, D]
+        self.layer_block_offset: dict[int, int] = {}
+        self.log_beta_pages = torch.empty(0)  # [total_blocks * H, bs]
         # Per request: (point, frontier, head_lens [L, H]) of its last compaction;
         # kept for the last few finished requests (tests and tools).
         self.last_compaction: dict[str, dict] = {}
@@ -130,7 +136,7 @@ class WorkerEvictionState:
         self.free_rows.extend(range(num_rows - 1, self.num_rows - 1, -1))
         self.num_rows = num_rows
         self.counters.rows_allocated = num_rows
-        buffers = [self.positions, self.query_ring, self.head_pages, self.head_lens]
+        buffers = [self.positions, self.query_ring, self.head_pages, self.head_lens, self.log_beta_pages]
         for summary in self.summaries:
             buffers += [summary.count, summary.key_mean, summary.value_mean, summary.cross_cov]
         self.counters.side_buffer_bytes = sum(t.numel() * t.element_size() for t in buffers)
@@ -167,6 +173,37 @@ class WorkerEvictionState:
         self.region_start[row] = 0
         for summary in self.summaries:
             summary.reset(row)
+
+    def global_kv(self, layer_index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every layer's cache as one tensor of blocks, and where layer ``layer_index``'s start.
+
+        vLLM 0.32 places all layers in one allocation (``allocate_kv_cache``),
+        each a dense ``[num_blocks, H, 2 * bs, D]`` view at its own offset, so
+        block ``b`` of that layer is block ``offset + b`` of the whole.
+        """
+        num_blocks, num_heads, page, head_dim = kv_cache.shape
+        block_elems = num_heads * page * head_dim
+        offset = kv_cache.storage_offset()
+        if not kv_cache.is_contiguous() or offset % block_elems:
+            raise RuntimeError(
+                "head_budget 'global' needs every layer's KV cache as a dense view of one "
+                "allocation at a whole-block offset; this vLLM build lays it out otherwise"
+            )
+        storage = kv_cache.untyped_storage()
+        if self.global_cache is None or self.global_cache.untyped_storage().data_ptr() != storage.data_ptr():
+            total = storage.nbytes() // kv_cache.element_size() // block_elems
+            flat = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
+            flat.set_(storage, 0, (total * block_elems,))
+            self.global_cache = flat.view(total, num_heads, page, head_dim)
+            self.log_beta_pages = torch.zeros(
+                total * num_heads, page // 2, dtype=torch.float32, device=kv_cache.device
+            )
+            self.layer_block_offset = {}
+            self.counters.side_buffer_bytes += self.log_beta_pages.numel() * 4
+            if self.metrics is not None:
+                self.publish_side_buffers(self._rank_label)
+        self.layer_block_offset[layer_index] = offset // block_elems
+        return self.global_cache, offset // block_elems
 
     def publish_side_buffers(self, rank: str) -> None:
         self._rank_label = rank
