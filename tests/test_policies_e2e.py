@@ -31,6 +31,9 @@ CASES = {
     "criticalkv-adaptive": {"policy": "criticalkv", "budget": 512, "head_budget": "adaptive"},
     "h2o": {"policy": "h2o", "budget": 512},
     "random": {"policy": "random", "budget": 512},
+    # Gates shipped for the default model; one ranking over every layer and
+    # head (eager here, compiled in test_learned_e2e.py).
+    "learned": {"policy": "learned", "budget": 256},
 }
 
 

@@ -687,6 +687,8 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         )
         if layer_index != state.num_layers - 1:
             return
+        if plan.policy.needs_log_beta:
+            capture.pending.clear()  # what vLLM's dummy runs left behind
         started = time.perf_counter()
         last: dict[int, RequestEviction] = {}
         for ev in plan.evictions:
