@@ -348,22 +348,29 @@ class ReferenceEvictingDecoder:
             parts["output_projection"] = weight.t().reshape(num_q_heads, -1, weight.shape[0])
         return parts
 
+    def _eviction_point(self, step: _Step) -> tuple[int, int] | None:
+        """(point, frontier after it) when ``step`` ends at an eviction point."""
+        assert self.schedule is not None
+        points = self.schedule.eviction_points_in_step(step.n_before, step.n_after, step.prompt_len)
+        if not points:
+            return None
+        # This oracle cuts its steps at the eviction points (prefill chunks of
+        # prefill_interval tokens, one token per decode step), so a step never
+        # needs the in-pass eviction the plugin does for longer steps.
+        if points != [step.n_after]:
+            raise AssertionError(f"step {step} crosses eviction points {points}")
+        return points[0], self.schedule.frontier_at_point(points[0])
+
     def _evict(
         self, store: _LayerStore, step: _Step, scale: float, parts: dict[str, Any]
     ) -> None:
         assert self.config is not None and self.schedule is not None and self.policy is not None
         assert store.keys is not None and store.values is not None and store.positions is not None
         assert store.query_history is not None and store.query_positions is not None
-        points = self.schedule.eviction_points_in_step(step.n_before, step.n_after, step.prompt_len)
-        if not points:
+        reached = self._eviction_point(step)
+        if reached is None:
             return
-        # This oracle cuts its steps at the eviction points (prefill chunks of
-        # prefill_interval tokens, one token per decode step), so a step never
-        # needs the in-pass eviction the plugin does for longer steps.
-        if points != [step.n_after]:
-            raise AssertionError(f"step {step} crosses eviction points {points}")
-        point = points[0]
-        frontier = self.schedule.frontier_at_point(point)
+        point, frontier = reached
         if self.config.uses_head_pages:
             frontier_before = self.schedule.frontier(step.n_before, step.prompt_len)
             if frontier > frontier_before:
@@ -494,13 +501,10 @@ class ReferenceEvictingDecoder:
         ``L * H * (point // bs - frontier // bs)`` whole pages of tokens, split
         over every (layer, KV head) by one ranking (DBTrimKV's global top-B)."""
         assert self.config is not None and self.schedule is not None and self.policy is not None
-        points = self.schedule.eviction_points_in_step(step.n_before, step.n_after, step.prompt_len)
-        if not points:
+        reached = self._eviction_point(step)
+        if reached is None:
             return
-        if points != [step.n_after]:
-            raise AssertionError(f"step {step} crosses eviction points {points}")
-        point = points[0]
-        frontier = self.schedule.frontier_at_point(point)
+        point, frontier = reached
         if frontier <= self.schedule.frontier(step.n_before, step.prompt_len):
             return
         bs, stores = self.block_size, self._layers
