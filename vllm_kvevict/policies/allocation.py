@@ -108,6 +108,20 @@ class GlobalAllocation(HeadAllocation):
         return global_top_b(scores, total, floor).sum(-1)
 
 
+def stack_streams(scores: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer scores ``[H, S_l]`` as one ``[L * H, max S_l]`` of streams
+    (layer-major), padded with ``-inf``: the input of :class:`GlobalAllocation`."""
+    width = max(score.shape[1] for score in scores)
+    stacked = torch.full(
+        (sum(score.shape[0] for score in scores), width), float("-inf"), device=scores[0].device
+    )
+    first = 0
+    for score in scores:
+        stacked[first : first + score.shape[0], : score.shape[1]] = score
+        first += score.shape[0]
+    return stacked
+
+
 ALLOCATIONS: dict[str, type[HeadAllocation]] = {
     cls.name: cls for cls in (UniformAllocation, AdaKVAllocation, GlobalAllocation)
 }

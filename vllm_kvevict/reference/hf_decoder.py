@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.policies.allocation import allocate_head_tokens, select_top
+from vllm_kvevict.policies.allocation import allocate_head_tokens, select_top, stack_streams
 from vllm_kvevict.policies.base import (
     PADDING_POSITION,
     EvictedMoments,
@@ -76,6 +76,22 @@ class _Step:
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
+
+
+def _live_in_position_order(
+    positions: torch.Tensor, tensors: tuple[torch.Tensor, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each head's ``tensors`` (``[H, S]`` or ``[H, S, D]``) reordered by
+    position, padding last and cut to the longest head; and the live mask."""
+    order = torch.sort(positions, dim=-1, stable=True).indices
+    live = torch.gather(positions, 1, order) < PADDING_POSITION
+    width = int(live.sum(-1).max())
+    order, live = order[:, :width], live[:, :width]
+    taken = [
+        torch.gather(t, 1, order if t.dim() == 2 else order[..., None].expand(-1, -1, t.shape[-1]))
+        for t in tensors
+    ]
+    return taken, live
 
 
 class ReferenceEvictingDecoder:
@@ -425,15 +441,9 @@ class ReferenceEvictingDecoder:
         bs = self.block_size
         num_heads, _, head_dim = store.keys.shape
         # Steps end at the point, so every stored token is a candidate.
-        order = torch.sort(store.positions, dim=-1, stable=True).indices
-        live = torch.gather(store.positions, 1, order) < PADDING_POSITION
-        width = int(live.sum(-1).max())
-        order, live = order[:, :width], live[:, :width]
-
-        def take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            return torch.gather(t, 1, index if t.dim() == 2 else index[..., None].expand(-1, -1, t.shape[-1]))
-
-        keys, values, positions = (take(t, order) for t in (store.keys, store.values, store.positions))
+        (keys, values, positions), live = _live_in_position_order(
+            store.positions, (store.keys, store.values, store.positions)
+        )
         window = self.config.observation_window
         obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
         needs_q = self.policy.needs_queries
@@ -512,14 +522,9 @@ class ReferenceEvictingDecoder:
         for store in stores:
             assert store.keys is not None and store.values is not None
             assert store.positions is not None and store.log_beta is not None
-            order = torch.sort(store.positions, dim=-1, stable=True).indices
-            live = torch.gather(store.positions, 1, order) < PADDING_POSITION
-            width = int(live.sum(-1).max())
-            order, live = order[:, :width], live[:, :width]
-            taken = [
-                torch.gather(t, 1, order if t.dim() == 2 else order[..., None].expand(-1, -1, t.shape[-1]))
-                for t in (store.keys, store.values, store.positions, store.log_beta)
-            ]
+            taken, live = _live_in_position_order(
+                store.positions, (store.keys, store.values, store.positions, store.log_beta)
+            )
             inputs = ScoringInputs(
                 keys=taken[0], values=taken[1], key_positions=taken[2], queries=None,
                 query_positions=None, scale=self._scale, log_beta=taken[3], step=point,
@@ -529,10 +534,7 @@ class ReferenceEvictingDecoder:
             ))
             gathered.append(taken)
         num_heads = scores[0].shape[0]
-        width = max(score.shape[1] for score in scores)
-        stacked = torch.full((len(stores) * num_heads, width), float("-inf"))
-        for layer, score in enumerate(scores):
-            stacked[layer * num_heads : (layer + 1) * num_heads, : score.shape[1]] = score
+        stacked = stack_streams(scores)
         total_pages = len(stores) * num_heads * (point // bs - frontier // bs)
         counts = allocate_head_tokens(self.config.build_allocation(), stacked, total_pages, bs)
         kept = select_top(stacked, counts)

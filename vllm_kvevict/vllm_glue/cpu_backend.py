@@ -58,7 +58,12 @@ from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_fr
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import EvictionPolicy, RotaryFrequencies, ScoringInputs
 from vllm_kvevict.policies.base import EvictedMoments
-from vllm_kvevict.policies.allocation import HeadAllocation, allocate_head_tokens, select_top
+from vllm_kvevict.policies.allocation import (
+    HeadAllocation,
+    allocate_head_tokens,
+    select_top,
+    stack_streams,
+)
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
 from vllm_kvevict.triton_kernels.evicted_summary import fold_evicted_reference
@@ -675,9 +680,8 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
             assert plan.local_kv_heads is not None
             log_beta = capture.take(layer.layer_name, num_tokens)[:, plan.local_kv_heads]
             slots = attn_metadata.slot_mapping[:num_tokens].long()
-            heads = torch.arange(kv_cache.shape[1])
-            pages = (offset + slots // bs)[:, None] * kv_cache.shape[1] + heads[None, :]
-            state.log_beta_pages[pages, (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
+            pages = block_head_pages(offset + slots // bs, kv_cache.shape[1]).view(num_tokens, -1)
+            state.log_beta_pages[pages.long(), (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
         tokens = slice(0, num_tokens)
         self._head_paged_attention(
             plan, layer_index, query[tokens], whole, output[tokens],
@@ -733,10 +737,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
             ))
             gathered.append((tokens, log_beta))
-        width = max(score.shape[1] for score in scores)
-        stacked = torch.full((num_layers * num_heads, width), float("-inf"))
-        for layer_index, score in enumerate(scores):
-            stacked[layer_index * num_heads : (layer_index + 1) * num_heads, : score.shape[1]] = score
+        stacked = stack_streams(scores)
         kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
         free_pages = torch.cat([
             block_head_pages(kept_blocks + state.layer_block_offset[layer_index], num_heads)

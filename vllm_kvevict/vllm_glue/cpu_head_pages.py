@@ -189,7 +189,7 @@ def gather_log_beta(
     num_standard = point - region_start
     out = torch.zeros(num_heads, max(lengths) + num_standard, dtype=torch.float32)
     slots = torch.arange(region_start, point)
-    standard_pages = block_row[slots // bs].long()[None, :] * num_heads + torch.arange(num_heads)[:, None]
+    standard_pages = block_head_pages(block_row[slots // bs], num_heads).view(-1, num_heads).T.long()
     standard = log_beta_pages[standard_pages, (slots % bs)[None, :].expand(num_heads, -1)]
     for h, length in enumerate(lengths):
         if length:

@@ -136,6 +136,9 @@ class WorkerEvictionState:
         self.free_rows.extend(range(num_rows - 1, self.num_rows - 1, -1))
         self.num_rows = num_rows
         self.counters.rows_allocated = num_rows
+        self._count_side_buffers()
+
+    def _count_side_buffers(self) -> None:
         buffers = [self.positions, self.query_ring, self.head_pages, self.head_lens, self.log_beta_pages]
         for summary in self.summaries:
             buffers += [summary.count, summary.key_mean, summary.value_mean, summary.cross_cov]
@@ -199,9 +202,7 @@ class WorkerEvictionState:
                 total * num_heads, page // 2, dtype=torch.float32, device=kv_cache.device
             )
             self.layer_block_offset = {}
-            self.counters.side_buffer_bytes += self.log_beta_pages.numel() * 4
-            if self.metrics is not None:
-                self.publish_side_buffers(self._rank_label)
+            self._count_side_buffers()
         self.layer_block_offset[layer_index] = offset // block_elems
         return self.global_cache, offset // block_elems
 
