@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 3, 9, 64, 32
@@ -84,47 +85,34 @@ def build(batch: int, length: int, dtype: torch.dtype, layout: PageLayout, seed:
         ).reshape(-1)
         pages = pages[torch.randperm(pages.numel(), generator=gen)][: KV_HEADS * pages_per_head]
         head_page_table[r] = pages.view(KV_HEADS, pages_per_head).to(torch.int32)
-    summary = EvictedSummary.zeros(batch, KV_HEADS, HEAD_DIM)
-    for r in range(batch):
-        for h in range(KV_HEADS):
-            fold_evicted_reference(
-                summary, r, h, torch.randn(64, HEAD_DIM, generator=gen),
-                torch.randn(64, HEAD_DIM, generator=gen),
-            )
-    args = (
-        torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype),
-        kv_cache,
-        torch.arange(batch + 1, dtype=torch.int32),
-        torch.full((batch,), seq_len, dtype=torch.int32),
-        head_page_table,
-        torch.full((batch, KV_HEADS), compacted, dtype=torch.int32),
-        block_table,
-        torch.full((batch,), start, dtype=torch.int32),
-        layout.key_index,
-        layout.value_index,
-        1.0 / math.sqrt(HEAD_DIM),
+    moments = EvictedMoments.zeros(batch, KV_HEADS, HEAD_DIM)
+    moments.fold_(
+        torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen),
+        torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen),
     )
-    return args, summary, torch.arange(batch, dtype=torch.int32)
+    requests = HeadPagedBatch(
+        head_page_table=head_page_table,
+        head_lens=torch.full((batch, KV_HEADS), compacted, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32),
+        block_table=block_table,
+        region_start=torch.full((batch,), start, dtype=torch.int32),
+        moments=moments,
+        moment_rows=torch.arange(batch, dtype=torch.int32),
+    )
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return query, kv_cache, layout.key_index, layout.value_index, requests, 1.0 / math.sqrt(HEAD_DIM)
 
 
 def time_paged(
     batch: int, length: int, dtype: torch.dtype, layout: PageLayout, seconds: float
 ) -> tuple[float, float]:
     """Seconds per call of the C++ kernel and of the torch path."""
-    args, summary, rows = build(batch, length, dtype, layout)
+    args = build(batch, length, dtype, layout)
     out = torch.empty(batch, Q_HEADS, HEAD_DIM)
     lse = torch.empty(batch, Q_HEADS)
-    kernel = timeit(
-        lambda: cpu_ops.head_paged_attention(
-            *args, summary=summary, summary_rows=rows, out=out, lse=lse
-        ),
-        seconds,
-    )
-    reference = timeit(
-        lambda: cpu_ops.head_paged_attention_torch(*args, summary=summary, summary_rows=rows),
-        seconds,
-        min_runs=3,
-    )
+    kernel = timeit(lambda: cpu_ops.head_paged_attention(*args, out=out, lse=lse), seconds)
+    reference = timeit(lambda: cpu_ops.head_paged_attention_torch(*args), seconds, min_runs=3)
     return kernel, reference
 
 

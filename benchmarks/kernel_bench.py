@@ -36,7 +36,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -112,8 +112,8 @@ class DecodeCase:
     physical_v: torch.Tensor
     key_cache: torch.Tensor  # logical strided view [num_blocks, H, page_size, D]
     value_cache: torch.Tensor
-    args: tuple
-    summary_args: tuple
+    args: tuple  # (query, key_cache, value_cache, batch without moments, scale)
+    summary_args: tuple  # the same with the batch's moments
     src_tokens: torch.Tensor  # [B, H, L] flat addresses of every retained token
     kv_bytes: int
 
@@ -122,7 +122,8 @@ def make_decode_case(setup: Setup, batch: int, length: int) -> DecodeCase:
     """``B`` requests of ``L`` tokens per head: tokens ``0 .. L-2`` compacted
     (head-pages ``block * H + h`` of the request's blocks), token ``L-1`` the
     standard region, so the cache is also a plain ``[B, L, H, D]`` tensor."""
-    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
+    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
     dev, dt, heads, dim, ps = setup.device, setup.dtype, setup.kv_heads, setup.head_dim, setup.page_size
     pages = length // ps
@@ -140,13 +141,15 @@ def make_decode_case(setup: Setup, batch: int, length: int) -> DecodeCase:
     query = torch.randn(batch, setup.q_heads, dim, device=dev, dtype=dt)
     query_start_loc = torch.arange(batch + 1, **i32)
     scale = 1.0 / math.sqrt(dim)
-    args = (query, key_cache, value_cache, query_start_loc, seq_lens, head_page_table, head_lens, blocks, region_start, scale)
-    summary = EvictedSummary.zeros(batch, heads, dim, device=dev)
-    summary.count.fill_(100.0)
-    summary.key_mean.normal_()
-    summary.value_mean.normal_()
-    summary.cross_cov.normal_().mul_(10.0)
-    summary_args = (*args, summary, torch.arange(batch, **i32))
+    requests = HeadPagedBatch(head_page_table, head_lens, query_start_loc, seq_lens, blocks, region_start)
+    args = (query, key_cache, value_cache, requests, scale)
+    moments = EvictedMoments.zeros(batch, heads, dim, device=dev)
+    moments.count.fill_(100.0)
+    moments.key_mean.normal_()
+    moments.value_mean.normal_()
+    moments.cross_cov.normal_().mul_(10.0)
+    with_moments = replace(requests, moments=moments, moment_rows=torch.arange(batch, **i32))
+    summary_args = (query, key_cache, value_cache, with_moments, scale)
     token = torch.arange(length, device=dev)
     src_tokens = (head_page_table.long()[..., token // ps] * ps + token % ps).contiguous()  # [B, H, L]
     kv_bytes = 2 * batch * length * heads * dim * physical_k.element_size()
@@ -295,17 +298,17 @@ def eviction_row(
     t_score = setup.timer(lambda: snapkv_keep(setup, case, window_q, keep_count))
     kept = snapkv_keep(setup, case, window_q, keep_count)
     heads = setup.kv_heads
-    summary, rows = case.summary_args[10], case.summary_args[11]
+    requests = case.summary_args[3]
     i32 = dict(dtype=torch.int32, device=setup.device)
     src_lens = torch.full((batch, heads), length, **i32)
-    keep_lens = torch.full((batch, heads), keep_count, **i32)
-    dest = case.args[5]  # in place: the head's own pages, from the first
+    # In place: the head's own pages, from the first.
+    after = replace(requests, head_lens=torch.full((batch, heads), keep_count, **i32))
 
     def compaction(keep: torch.Tensor) -> Callable[[], None]:
         # Repeated runs re-read the same addresses (the data changes, the work does not).
         keep = keep.to(torch.int32).contiguous()
         return lambda: compact_head_pages(
-            case.key_cache, case.value_cache, case.src_tokens, src_lens, keep, keep_lens, dest, summary, rows
+            case.key_cache, case.value_cache, case.src_tokens, src_lens, keep, after
         )
 
     t_ordered = setup.timer(compaction(kept))
@@ -336,7 +339,7 @@ def smoke_check(setup: Setup) -> None:
     """Kernels against their references on one tiny case (catches a script
     that times wrong results)."""
     from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages, compact_head_pages_reference
-    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
+    from vllm_kvevict.eviction.moments import EvictedMoments
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention, head_paged_attention_reference
 
     case = make_decode_case(setup, 2, 4 * setup.page_size)
@@ -351,12 +354,13 @@ def smoke_check(setup: Setup) -> None:
     results = []
     for fn in (compact_head_pages, compact_head_pages_reference):
         k, v = case.physical_k.clone(), case.physical_v.clone()
-        s = case.summary_args[10]
-        s = EvictedSummary(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
+        requests = case.summary_args[3]
+        s = requests.moments
+        s = EvictedMoments(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
+        after = replace(requests, head_lens=torch.full((2, heads), length - 5, **i32), moments=s)
         fn(
             k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), case.src_tokens,
-            torch.full((2, heads), length, **i32), kept, torch.full((2, heads), length - 5, **i32),
-            case.args[5], s, case.summary_args[11],
+            torch.full((2, heads), length, **i32), kept, after,
         )
         results.append((k, v, s.cross_cov, s.count))
     for got, want in zip(*results):

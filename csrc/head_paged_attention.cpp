@@ -274,7 +274,7 @@ struct OffsetTable {
   PageOrder order;
 };
 
-// Rank of the summary's value x key cross-covariance C (see evicted_summary.py).
+// Rank of the summary's value x key cross-covariance C (see vllm_kvevict/eviction/moments.py).
 enum class CovMode { kNone, kDiagonal, kFull };
 
 struct Params {

@@ -162,10 +162,24 @@ def test_prefill_mode_defaults_per_policy():
 def test_schedule_from_config():
     config = config_from_cli("snapkv", '{"budget": 100, "decode_interval": 9}')
     schedule = config.schedule(32, 512)
-    assert (schedule.budget, schedule.interval, schedule.block_size, schedule.prefill_mode,
+    assert (schedule.budget, schedule.decode_interval, schedule.block_size, schedule.prefill_mode,
             schedule.prefill_interval) == (100, 9, 32, "end_of_prompt", 512)
     config = config_from_cli("snapkv", '{"prefill_interval": 96}')
     assert config.schedule(32, 512).prefill_interval == 96
+
+
+def test_each_setting_is_validated_once_per_process():
+    """The same settings give back the same config object, whichever way they
+    come in, and its policy object is built once; additional_config stays plain."""
+    from_cli = config_from_cli("snapkv", '{"budget": 320, "decode_interval": 11}')
+    additional = {ADDITIONAL_CONFIG_KEY: from_cli.to_additional_config()}
+    assert config_from_additional(additional) is from_cli
+    assert config_from_additional(json.loads(json.dumps(additional))) is from_cli
+    assert build_config({"policy": "snapkv", "budget": 320, "decode_interval": 11}) is from_cli
+    assert from_cli.build_policy() is from_cli.build_policy()
+    assert json.loads(json.dumps(additional)) == additional
+    other = config_from_additional({ADDITIONAL_CONFIG_KEY: {"policy": "snapkv", "budget": 321}})
+    assert other is not from_cli and other.budget == 321
 
 
 def test_non_string_policy_is_a_config_error():

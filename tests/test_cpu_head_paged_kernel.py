@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention_reference
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 
@@ -65,21 +66,28 @@ class Case:
     region_start: torch.Tensor
     layout: PageLayout
     scale: float
-    summary: EvictedSummary | None
+    summary: EvictedMoments | None
     summary_rows: torch.Tensor | None
 
-    def kernel_args(self) -> tuple:
+    def batch(self, **tables: torch.Tensor) -> HeadPagedBatch:
+        """The case's batch, with ``tables`` (page table, lengths) replaced."""
+        fields = dict(
+            head_page_table=self.head_page_table, head_lens=self.head_lens,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_table=self.block_table, region_start=self.region_start,
+            moments=self.summary, moment_rows=self.summary_rows,
+        )
+        return HeadPagedBatch(**{**fields, **tables})
+
+    def kernel_args(self, **tables: torch.Tensor) -> tuple:
         return (
-            self.query, self.kv_cache, self.query_start_loc, self.seq_lens,
-            self.head_page_table, self.head_lens, self.block_table, self.region_start,
-            self.layout.key_index, self.layout.value_index, self.scale,
+            self.query, self.kv_cache, self.layout.key_index, self.layout.value_index,
+            self.batch(**tables), self.scale,
         )
 
     def oracle(self) -> tuple[torch.Tensor, torch.Tensor]:
         return head_paged_attention_reference(
-            self.query, self.key_logical, self.value_logical, self.query_start_loc,
-            self.seq_lens, self.head_page_table, self.head_lens, self.block_table,
-            self.region_start, self.scale, self.summary, self.summary_rows,
+            self.query, self.key_logical, self.value_logical, self.batch(), self.scale
         )
 
 
@@ -180,7 +188,7 @@ def make_case(
         num_rows = num_requests + 2
         # "random[-diagonal|-none]": the summary's covariance rank (default full).
         covariance = summary.split("-")[1] if "-" in summary else "full"
-        summaries = EvictedSummary.zeros(num_rows, num_heads, dim, covariance=covariance)
+        summaries = EvictedMoments.zeros(num_rows, num_heads, dim, covariance=covariance)
         row_of = torch.randperm(num_rows, generator=gen)[:num_requests]
         if summary.startswith("random"):
             for r in range(num_requests):
@@ -189,8 +197,7 @@ def make_case(
                     if (r + h) % 3 == 2:
                         n = 0  # a head that has evicted nothing
                     if n:
-                        fold_evicted_reference(
-                            summaries, int(row_of[r]), h,
+                        summaries[int(row_of[r]), h].fold_(
                             torch.randn(n, dim, generator=gen), torch.randn(n, dim, generator=gen),
                         )
             if num_requests > 1:
@@ -259,15 +266,11 @@ def check(case: Case, out: torch.Tensor, lse: torch.Tensor) -> None:
 
 
 def run_native(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    return cpu_ops.head_paged_attention(
-        *case.kernel_args(), summary=case.summary, summary_rows=case.summary_rows, native=True
-    )
+    return cpu_ops.head_paged_attention(*case.kernel_args(), native=True)
 
 
 def run_torch(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    return cpu_ops.head_paged_attention(
-        *case.kernel_args(), summary=case.summary, summary_rows=case.summary_rows, native=False
-    )
+    return cpu_ops.head_paged_attention(*case.kernel_args(), native=False)
 
 
 # (group, head_dim, page_size, dtype, isa, summary, decode)
@@ -400,9 +403,7 @@ def test_preallocated_outputs_and_bf16_query(native):
     )
     out = torch.full((case.query.shape[0], case.query.shape[1], 64), 7.0)
     lse = torch.full(case.query.shape[:2], 7.0)
-    result = cpu_ops.head_paged_attention(
-        *case.kernel_args(), summary=case.summary, summary_rows=case.summary_rows, out=out, lse=lse
-    )
+    result = cpu_ops.head_paged_attention(*case.kernel_args(), out=out, lse=lse)
     assert result[0] is out and result[1] is lse
     check(case, out, lse)
 
@@ -414,14 +415,11 @@ def test_invalid_inputs_raise(native):
     )
     bad = case.head_page_table.clone()
     bad[0, 0, 0] = case.kv_cache.shape[0] * case.kv_cache.shape[1]
-    args = list(case.kernel_args())
-    args[4] = bad
     with pytest.raises(RuntimeError, match="head-page id"):
-        cpu_ops.head_paged_attention(*args)
-    args = list(case.kernel_args())
-    args[5] = torch.tensor([[5, 999]], dtype=torch.int32)
+        cpu_ops.head_paged_attention(*case.kernel_args(head_page_table=bad))
+    bad_lens = torch.tensor([[5, 999]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="head_lens"):
-        cpu_ops.head_paged_attention(*args)
+        cpu_ops.head_paged_attention(*case.kernel_args(head_lens=bad_lens))
 
 
 def test_sources_ship_as_package_data():

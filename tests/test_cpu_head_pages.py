@@ -6,12 +6,9 @@ import torch
 from vllm import _custom_ops as ops
 
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference
-from vllm_kvevict.vllm_glue.cpu_head_pages import (
-    PADDING_POSITION,
-    HeadPagedCache,
-    assign_pages,
-    block_head_pages,
-)
+from vllm_kvevict.eviction.head_pages import assign_pages, block_head_pages, gather_live
+from vllm_kvevict.policies.base import PADDING_POSITION
+from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
 from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
 
 
@@ -43,7 +40,7 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
 
     # standard slots read back through the probed layout
     start, end = 21, 75
-    std_k, std_v = cache.read_standard(block_row, start, end)
+    std_k, std_v = cache.read_slots(block_row, start, end)
     slots = torch.arange(start, end)
     for h in range(heads):
         assert torch.equal(std_k[h], keys[block_row[slots // bs].long(), h, slots % bs])
@@ -58,9 +55,9 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
     assert [p.numel() for p in pages] == [2, 2, 0]
     written = [(std_k[h, : counts[h]].clone(), std_v[h, : counts[h]].clone()) for h in range(heads)]
     for h in range(heads):
-        cache.write_compacted(pages[h], *written[h])
+        cache.write_pages(pages[h], *written[h])
     for h in range(heads):
-        k, v = cache.read_compacted(pages[h], counts[h])
+        k, v = cache.read_pages(pages[h], counts[h])
         assert torch.equal(k, written[h][0]) and torch.equal(v, written[h][1])
 
     # live tokens: compacted then the standard region [90, 120), padded
@@ -68,7 +65,7 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
     for h in range(heads):
         table[h, : pages[h].numel()] = pages[h]
     positions = torch.arange(heads * 100).view(heads, 100)
-    live = cache.gather_live(table, torch.tensor(counts), positions, block_row, 90, 120)
+    live = gather_live(cache, table, torch.tensor(counts), positions, block_row, 90, 120)
     for h in range(heads):
         n = counts[h] + 30
         assert bool(live.live[h, :n].all()) and not bool(live.live[h, n:].any())
@@ -93,7 +90,7 @@ def test_poison_standard_prefix_hits_only_those_slots(isa):
     values = torch.randn(num_blocks, heads, bs, head_dim)
     cache = HeadPagedCache(_cpu_cache((keys, values), isa), probe_page_layout(bs, head_dim, torch.float32, isa))
     cache.poison_standard_prefix(2, 5)
-    k, v = cache.read_standard(torch.tensor([2], dtype=torch.int32), 0, bs)
+    k, v = cache.read_slots(torch.tensor([2], dtype=torch.int32), 0, bs)
     assert bool(torch.isnan(k[:, :5]).all()) and bool(torch.isnan(v[:, :5]).all())
     assert not bool(torch.isnan(k[:, 5:]).any()) and not bool(torch.isnan(v[:, 5:]).any())
     others = torch.cat([cache.kv_cache[:2], cache.kv_cache[3:]])

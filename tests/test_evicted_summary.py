@@ -8,12 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.triton_kernels.evicted_summary import (
-    EvictedSummary,
-    fold_evicted_reference,
-    merge_partial_states,
-    summary_partial_state,
-)
+from vllm_kvevict.eviction.moments import EvictedMoments, merge_partial_states
 
 
 def _full_attention(q, keys, values, scale):
@@ -24,10 +19,7 @@ def _corrected(q, kept_k, kept_v, summary, scale):
     logits = q @ kept_k.T * scale
     lse = torch.logsumexp(logits, -1)
     out = torch.softmax(logits, -1) @ kept_v
-    e_out, e_lse = summary_partial_state(
-        q, summary.count[0, 0], summary.key_mean[0, 0], summary.value_mean[0, 0],
-        summary.cross_cov[0, 0], scale,
-    )
+    e_out, e_lse = summary[0, 0].partial_state(q, scale)
     return merge_partial_states(out, lse, e_out, e_lse)[0]
 
 
@@ -39,9 +31,9 @@ def test_statistics_after_k_folds_equal_from_scratch(seed, covariance):
     batches = [torch.randint(1, 9, (1,), generator=gen).item() for _ in range(6)]
     keys = [torch.randn(n, dim, generator=gen, dtype=torch.float64) * 3 + 5 for n in batches]
     values = [torch.randn(n, dim, generator=gen, dtype=torch.float64) - 2 for n in batches]
-    summary = EvictedSummary.zeros(2, 2, dim, covariance=covariance)
+    summary = EvictedMoments.zeros(2, 2, dim, covariance=covariance)
     for k, v in zip(keys, values):
-        fold_evicted_reference(summary, 1, 1, k.float(), v.float())
+        summary[1, 1].fold_(k.float(), v.float())
     k_all, v_all = torch.cat(keys), torch.cat(values)
     n = k_all.shape[0]
     s_tilde = v_all.T @ k_all - torch.outer(v_all.sum(0), k_all.sum(0)) / n  # Eq. 24
@@ -60,19 +52,16 @@ def test_statistics_after_k_folds_equal_from_scratch(seed, covariance):
 @pytest.mark.parametrize("covariance", ["diagonal", "none"])
 def test_reduced_covariance_partial_state_is_the_papers_model_with_reduced_c(covariance):
     """o_E = v̄ + τ diag(C) ⊙ q / n (diagonal) or v̄ (none, the zeroth-order
-    ablation of A2.9), from the raw evicted tokens in fp64; lse_E unchanged."""
+    correction), from the raw evicted tokens in fp64; lse_E unchanged."""
     gen = torch.Generator().manual_seed(3)
     dim, scale = 32, 1 / math.sqrt(32)
     keys = torch.randn(23, dim, generator=gen, dtype=torch.float64)
     values = torch.randn(23, dim, generator=gen, dtype=torch.float64) + keys * 0.5
     q = torch.randn(5, dim, generator=gen, dtype=torch.float64)
-    summary = EvictedSummary.zeros(1, 1, dim, covariance=covariance)
-    fold_evicted_reference(summary, 0, 0, keys[:10].float(), values[:10].float())
-    fold_evicted_reference(summary, 0, 0, keys[10:].float(), values[10:].float())
-    out, lse = summary_partial_state(
-        q.float(), summary.count[0, 0], summary.key_mean[0, 0], summary.value_mean[0, 0],
-        summary.cross_cov[0, 0], scale,
-    )
+    summary = EvictedMoments.zeros(1, 1, dim, covariance=covariance)
+    summary[0, 0].fold_(keys[:10].float(), values[:10].float())
+    summary[0, 0].fold_(keys[10:].float(), values[10:].float())
+    out, lse = summary[0, 0].partial_state(q.float(), scale)
     k_bar, v_bar = keys.mean(0), values.mean(0)
     c_diag = ((values - v_bar) * (keys - k_bar)).sum(0)
     want = v_bar + (scale * q * c_diag / 23 if covariance == "diagonal" else 0.0)
@@ -89,8 +78,8 @@ def test_correction_is_exact_when_evicted_keys_are_equal(seed, covariance):
     values = torch.randn(40, dim, generator=gen)
     keys[25:] = keys[25]  # the evicted tokens share one key; values differ
     q = torch.randn(6, dim, generator=gen) * 2
-    summary = EvictedSummary.zeros(1, 1, dim, covariance=covariance)
-    fold_evicted_reference(summary, 0, 0, keys[25:], values[25:])
+    summary = EvictedMoments.zeros(1, 1, dim, covariance=covariance)
+    summary[0, 0].fold_(keys[25:], values[25:])
     corrected = _corrected(q, keys[:25], values[:25], summary, scale)
     assert torch.allclose(corrected, _full_attention(q, keys, values, scale), atol=1e-5)
     plain = _full_attention(q, keys[:25], values[:25], scale)
@@ -110,8 +99,8 @@ def test_correction_reduces_error_on_random_data():
         q = torch.randn(8, dim, generator=gen)
         order = torch.argsort((q.mean(0) @ keys.T), descending=True)
         kept, evicted = order[:128], order[128:]
-        summary = EvictedSummary.zeros(1, 1, dim)
-        fold_evicted_reference(summary, 0, 0, keys[evicted], values[evicted])
+        summary = EvictedMoments.zeros(1, 1, dim)
+        summary[0, 0].fold_(keys[evicted], values[evicted])
         full = _full_attention(q, keys, values, scale)
         plain = _full_attention(q, keys[kept], values[kept], scale)
         corrected = _corrected(q, keys[kept], values[kept], summary, scale)
@@ -168,8 +157,8 @@ def test_correction_reduces_error_on_smollm2_keys_and_values(model_dir, tokenize
             plain = torch.softmax(queries @ keys[kept].T * scale, -1) @ values[kept]
             dropped.append(float((plain - full).norm(dim=-1).mean()))
             for covariance in ("full", "diagonal", "none"):
-                summary = EvictedSummary.zeros(1, 1, keys.shape[1], covariance=covariance)
-                fold_evicted_reference(summary, 0, 0, keys[evicted], values[evicted])
+                summary = EvictedMoments.zeros(1, 1, keys.shape[1], covariance=covariance)
+                summary[0, 0].fold_(keys[evicted], values[evicted])
                 fixed = _corrected(queries, keys[kept], values[kept], summary, scale)
                 error = float((fixed - full).norm(dim=-1).mean())
                 reduced[covariance].append(error)

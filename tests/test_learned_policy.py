@@ -213,7 +213,7 @@ def test_gates_for_model_checks_shapes_and_finds_shipped_gates(tmp_path) -> None
 
 
 def test_gather_log_beta_matches_a_slot_by_slot_loop() -> None:
-    from vllm_kvevict.vllm_glue.cpu_head_pages import gather_log_beta
+    from vllm_kvevict.eviction.global_pages import gather_log_beta
 
     gen = torch.Generator().manual_seed(0)
     heads, bs, num_blocks = 3, 4, 10

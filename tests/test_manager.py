@@ -3,6 +3,8 @@ real vLLM BlockPool, checked against the schedule's arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 
 import pytest
@@ -13,7 +15,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
-from vllm_kvevict.schedule import cdiv  # noqa: E402
+from vllm_kvevict.schedule import EvictionSchedule, cdiv  # noqa: E402
 from vllm_kvevict.vllm_glue.spec import (  # noqa: E402
     EvictingAttentionSpec,
     EvictionManager,
@@ -21,14 +23,17 @@ from vllm_kvevict.vllm_glue.spec import (  # noqa: E402
 )
 
 
-def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, interval: int = 8,
+def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, decode_interval: int = 8,
               step: int = 64) -> EvictingAttentionSpec:
     return EvictingAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
-        evict_budget=budget, evict_interval=interval, evict_max_step_tokens=step,
-        evict_prefill_mode=prefill_mode,
-        # as customize_spec sets it by default: one scheduler step
-        evict_prefill_interval=step,
+        schedule=EvictionSchedule(
+            budget=budget, decode_interval=decode_interval, block_size=16,
+            prefill_mode=prefill_mode,  # type: ignore[arg-type]
+            # as customize_spec sets it by default: one scheduler step
+            prefill_interval=step,
+        ),
+        max_step_tokens=step,
     )
 
 
@@ -45,10 +50,21 @@ def test_registry_resolves_our_manager_and_merge_keeps_fields():
     spec = make_spec("end_of_prompt")
     assert KVCacheSpecRegistry.get_manager_class(spec) is EvictionManager
     merged = EvictingAttentionSpec.merge([spec, spec])
-    assert merged == spec and merged.evict_prefill_mode == "end_of_prompt"
+    assert merged == spec and merged.schedule.prefill_mode == "end_of_prompt"
     assert not spec.prefix_cacheable
     with pytest.raises(ValueError, match="disagree"):
         EvictingAttentionSpec.merge([spec, make_spec(budget=200)])
+
+
+def test_spec_pickles_compares_by_value_and_keeps_the_schedule_at_its_block_size():
+    spec = make_spec("hybrid")
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert hash(make_spec("hybrid")) == hash(spec)
+    assert spec != make_spec("hybrid", decode_interval=9)
+    # vLLM rebuilds specs with another block size (kernel blocks, page unification).
+    for smaller in (spec.copy_with_new_block_size(8), dataclasses.replace(spec, block_size=8)):
+        assert smaller.schedule == dataclasses.replace(spec.schedule, block_size=8)
+        assert smaller.max_step_tokens == spec.max_step_tokens
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -57,7 +73,7 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
     basis, then allocate the next step) and compare with the schedule."""
     rng = random.Random(seed)
     spec = make_spec()
-    schedule = spec.schedule()
+    schedule = spec.schedule
     manager = make_manager(spec)
     pool = manager.block_pool
     prompt_len, decode_steps = rng.randint(150, 700), rng.randint(10, 60)
@@ -93,7 +109,7 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
 
 
 def test_admission_cap_and_pool_sizing():
-    spec = make_spec(budget=100, interval=8, step=64)
+    spec = make_spec(budget=100, decode_interval=8, step=64)
     manager = make_manager(spec)
     # budget + max(decode interval, prefill interval) + step + block - 2
     expected = cdiv(100 + 64 + 64 + 16 - 2, 16)
@@ -101,7 +117,9 @@ def test_admission_cap_and_pool_sizing():
     assert spec.max_blocks_per_request(max_model_len=8192) == expected
     assert spec.max_blocks_per_request(max_model_len=64) == 4
     # eviction every 300 prompt tokens: up to 299 unevicted ones on top
-    wide = EvictingAttentionSpec.from_full_attention(spec, 100, 8, 64, "per_chunk", 0, 300)
+    wide = EvictingAttentionSpec.from_full_attention(
+        spec, EvictionSchedule(100, 8, 16, "per_chunk", 0, 300), max_step_tokens=64
+    )
     assert wide.max_blocks_per_request(max_model_len=8192) == cdiv(100 + 300 + 64 + 16 - 2, 16)
     # end_of_prompt holds the whole prompt: no cap below the full length.
     assert make_manager(make_spec("end_of_prompt")).max_admission_blocks_per_request is None

@@ -9,12 +9,8 @@ import torch.nn.functional as F
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from vllm_kvevict.triton_kernels.paged_reference import (
-    gather_region,
-    region_attention_reference,
-    region_slots,
-    scatter_region,
-)
+from vllm_kvevict.cpu_ops import region_attention
+from vllm_kvevict.triton_kernels.paged_reference import gather_region, region_slots, scatter_region
 from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
 
 
@@ -84,7 +80,7 @@ def test_region_attention_equals_sdpa_at_start(kv_heads, group, seq_len, num_tok
     values = torch.randn(kv_heads, seq_len, head_dim, dtype=torch.float64)
     scale = 1 / math.sqrt(head_dim)
     want = _sdpa_full(queries_all, keys, values, scale)[seq_len - num_tokens :]
-    got = region_attention_reference(queries_all[seq_len - num_tokens :], keys, values, 0, scale)
+    got = region_attention(queries_all[seq_len - num_tokens :], keys, values, 0, scale)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -114,7 +110,7 @@ def test_region_attention_with_offset_matches_explicit_mask(kv_heads, group, reg
         want[:, j] = F.scaled_dot_product_attention(
             query[:, j][None], keys[h][None], values[h][None], attn_mask=mask[None], scale=scale
         )[0]
-    got = region_attention_reference(query, keys, values, region_start, scale)
+    got = region_attention(query, keys, values, region_start, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -230,7 +226,7 @@ NATIVE_CASES = [
 @pytest.mark.parametrize("case", range(len(NATIVE_CASES)))
 def test_native_kernel_on_shifted_table_equals_reference(case, split_kv):
     """vLLM's C++ CPU attention over [frontier, seq_len) via a block table shifted by
-    frontier // bs equals region_attention_reference over the same live region."""
+    frontier // bs equals region_attention over the same live region."""
     block_size, head_dim, kv_heads, group, requests = NATIVE_CASES[case]
     torch.manual_seed(case * 10 + split_kv)
     num_q_heads = kv_heads * group
@@ -271,7 +267,7 @@ def test_native_kernel_on_shifted_table_equals_reference(case, split_kv):
     assert torch.isfinite(out).all()
     layout = probe_page_layout(block_size, head_dim, torch.float32, ISA)
     for i, (keys, values, frontier) in enumerate(live):
-        want = region_attention_reference(queries[i], keys, values, frontier, scale)
+        want = region_attention(queries[i], keys, values, frontier, scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], want, atol=1e-4, rtol=1e-4)
         # the cpu_attention="torch" path reads the same live region through the layout
         seq_len = frontier + keys.shape[1]

@@ -142,8 +142,7 @@ def test_momentkv_rounds_follow_algorithm_1(seed, rounds, covariance):
     what is already evicted (R = number evicted: Alg. 1's one-at-a-time
     greedy), the kept set equal to a from-scratch fp64 loop."""
     from vllm_kvevict.policies import MomentKVPolicy, SnapKVPolicy
-    from vllm_kvevict.policies.base import EvictedMoments
-    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(100 + seed)
     inputs = _inputs(gen, group=2, window=5)
@@ -151,10 +150,10 @@ def test_momentkv_rounds_follow_algorithm_1(seed, rounds, covariance):
     # Head 0 has evicted nothing yet; the others have.
     evicted_k = [torch.randn(0 if h == 0 else 6, dim, generator=gen) for h in range(heads)]
     evicted_v = [torch.randn(0 if h == 0 else 6, dim, generator=gen) for h in range(heads)]
-    summary = EvictedSummary.zeros(1, heads, dim, covariance=covariance)
+    summary = EvictedMoments.zeros(1, heads, dim, covariance=covariance)
     for h in range(heads):
-        fold_evicted_reference(summary, 0, h, evicted_k[h], evicted_v[h])
-    inputs.evicted = EvictedMoments(summary.count[0], summary.key_mean[0], summary.value_mean[0], summary.cross_cov[0])
+        summary[0, h].fold_(evicted_k[h], evicted_v[h])
+    inputs.evicted = summary.row(0)
     policy = MomentKVPolicy(rounds=rounds)
     num_keep, num_sink, num_recent = 10, 2, 3
     kept = policy.select(inputs, num_keep, num_sink, num_recent, 24)
@@ -173,19 +172,18 @@ def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
     and group, max-pooled over 7 neighbours; with nothing evicted it is
     α_j ‖v_j‖."""
     from vllm_kvevict.policies import MomentKVPolicy
-    from vllm_kvevict.policies.base import EvictedMoments
-    from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, group=2, window=5)
     heads, dim = 3, 16
     evicted_k = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
     evicted_v = [torch.randn(7 + h, dim, generator=gen) for h in range(heads)]
-    summary = EvictedSummary.zeros(1, heads, dim, covariance=covariance)
+    summary = EvictedMoments.zeros(1, heads, dim, covariance=covariance)
     for h in range(heads):
-        fold_evicted_reference(summary, 0, h, evicted_k[h][:3], evicted_v[h][:3])
-        fold_evicted_reference(summary, 0, h, evicted_k[h][3:], evicted_v[h][3:])
-    inputs.evicted = EvictedMoments(summary.count[0], summary.key_mean[0], summary.value_mean[0], summary.cross_cov[0])
+        summary[0, h].fold_(evicted_k[h][:3], evicted_v[h][:3])
+        summary[0, h].fold_(evicted_k[h][3:], evicted_v[h][3:])
+    inputs.evicted = summary.row(0)
     scores = MomentKVPolicy().score(inputs)
     keys, values, queries = inputs.keys.double(), inputs.values.double(), inputs.queries.double()
     for h in range(heads):
@@ -214,8 +212,7 @@ def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
             residual = values[h, j] - ve.mean(0) - moment_term
             assert float(scores[h, j]) == pytest.approx(alpha * float(residual.norm()), rel=1e-4, abs=1e-7)
     # nothing evicted yet: attention x value norm
-    zeros = torch.zeros(heads, dim)
-    inputs.evicted = EvictedMoments(torch.zeros(heads), zeros, zeros, torch.zeros(heads, dim, dim))
+    inputs.evicted = EvictedMoments.zeros(None, heads, dim)
     attention = MomentKVPolicy().score(inputs) / inputs.values.norm(dim=-1)
     from vllm_kvevict.policies import SnapKVPolicy
     assert torch.allclose(attention, SnapKVPolicy(kernel_size=7).score(inputs), atol=1e-6)

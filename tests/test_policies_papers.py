@@ -369,7 +369,7 @@ def test_every_policy_keeps_its_budget_exactly(name, seed):
     """select() returns exactly num_keep sorted, distinct indices per head,
     sinks and the recent window among them; under AdaKV counts the head-page
     path keeps each head's count."""
-    from vllm_kvevict.policies.base import EvictedMoments
+    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, heads=3, live=80, window=16)

@@ -213,12 +213,20 @@ class _SpyPolicy:
         self.needs_output_projection: bool = inner.needs_output_projection
         self.calls: list[tuple[Any, ...]] = []
 
-    def select(
-        self, inputs: Any, num_keep: int, num_sink: int, num_recent: int, point: int
+    def masked_scores(
+        self, inputs: Any, num_sink: int, num_recent: int, point: int, live: Any = None
     ) -> torch.Tensor:
+        self._scored = (num_sink, num_recent, point)
+        return self.inner.masked_scores(inputs, num_sink, num_recent, point, live)
+
+    def refine_scores(self, inputs: Any, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Every head keeps the same count here (slots storage): the policy's
+        # own selection of that many tokens.
+        num_sink, num_recent, point = self._scored
+        num_keep = int(counts[0])
         kept = self.inner.select(inputs, num_keep, num_sink, num_recent, point)
         self.calls.append((inputs, num_keep, num_sink, num_recent, point, kept))
-        return kept
+        return self.inner.refine_scores(inputs, scores, counts)
 
 
 @pytest.mark.parametrize("prefill_mode", ["per_chunk", "end_of_prompt"])

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from vllm_kvevict.policies.allocation import global_top_b
 from vllm_kvevict.policies.retention_gate import (
     RetentionGateConfig,
     RetentionGates,
-    global_top_b,
     lookahead_log_score,
 )
 

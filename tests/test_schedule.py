@@ -44,7 +44,7 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
     """Returns (prefill points, decode points) and asserts the invariants at every boundary."""
     bs = schedule.block_size
     per_chunk = EvictionSchedule(
-        schedule.budget, schedule.interval, bs, "per_chunk",
+        schedule.budget, schedule.decode_interval, bs, "per_chunk",
         prefill_interval=schedule.prefill_interval,
     )
     slots = {}  # slot -> original position of the token stored there (one KV head)
@@ -121,7 +121,7 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
 def test_simulated_request_invariants(seed):
     """Frontier aligned, monotone, never past a live slot; budget kept; block cap holds;
     evictions exactly every prefill_interval prompt tokens and at the prompt end
-    (per_chunk) or only at the prompt end (end_of_prompt), and every `interval`
+    (per_chunk) or only at the prompt end (end_of_prompt), and every `decode_interval`
     decode steps, whatever the chunking."""
     rng = random.Random(seed)
     schedule, prompt_len, max_step_tokens, chunks, steps = _random_case(rng)
@@ -135,8 +135,8 @@ def test_simulated_request_invariants(seed):
         assert prefill_points == [prompt_len]
     expected = []
     k = 1
-    while prompt_len + k * schedule.interval <= n_final:
-        expected.append(prompt_len + k * schedule.interval)
+    while prompt_len + k * schedule.decode_interval <= n_final:
+        expected.append(prompt_len + k * schedule.decode_interval)
         k += 1
     assert decode_points == expected
 
@@ -149,7 +149,7 @@ def test_simulated_request_invariants(seed):
 
 def test_hand_checked_values():
     """A few values worked out by hand from the storage rule."""
-    s = EvictionSchedule(budget=10, interval=4, block_size=4)
+    s = EvictionSchedule(budget=10, decode_interval=4, block_size=4)
     # point 25: floor((25 - 10) / 4) * 4 = 12
     assert s.frontier_at_point(25) == 12
     assert s.frontier_at_point(9) == 0
@@ -161,7 +161,7 @@ def test_hand_checked_values():
     # recompute of a preempted request crossing several decode points: all of them
     assert s.eviction_points_in_step(20, 33, 20) == [24, 28, 32]
     # prefill every 8 tokens, then the prompt end, then decode points
-    p = EvictionSchedule(budget=10, interval=4, block_size=4, prefill_interval=8)
+    p = EvictionSchedule(budget=10, decode_interval=4, block_size=4, prefill_interval=8)
     assert p.eviction_points_in_step(0, 30, 20) == [8, 16, 20, 24, 28]
     assert p.eviction_points_in_step(3, 16, 20) == [8, 16]
     assert p.eviction_points_in_step(16, 17, 20) == []
@@ -175,7 +175,7 @@ def test_hand_checked_values():
 
 def test_end_of_prompt_hand_checked():
     """end_of_prompt: no eviction inside the prompt, then as per_chunk."""
-    s = EvictionSchedule(budget=10, interval=4, block_size=4, prefill_mode="end_of_prompt")
+    s = EvictionSchedule(budget=10, decode_interval=4, block_size=4, prefill_mode="end_of_prompt")
     assert s.frontier(19, prompt_len=20) == 0
     assert s.eviction_points_in_step(0, 19, 20) == []
     assert s.eviction_points_in_step(19, 20, 20) == [20]
@@ -201,3 +201,20 @@ def test_retained_capacity_covers_every_point(seed):
         )
         worst = max(p - s.frontier_at_point(p) for p in range(0, 2000))
         assert s.retained_capacity() >= worst
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_head_page_capacities_cover_every_point(seed):
+    """An eviction at ``p >= budget`` retains ``p // bs - frontier // bs``
+    blocks: never fewer than min_retained_blocks (and sometimes exactly that),
+    never more than one stream's max_head_pages."""
+    rng = random.Random(2000 + seed)
+    for _ in range(20):
+        bs = rng.choice([1, 3, 8, 16, 32])
+        s = EvictionSchedule(rng.randint(1, 300), rng.randint(1, 50), bs)
+        spans = [p // bs - s.frontier_at_point(p) // bs for p in range(s.budget, 2000)]
+        assert min(spans) == s.min_retained_blocks
+        assert max(spans) <= s.max_head_pages(1)
+        assert s.max_head_pages(6) == 6 * s.max_head_pages(1)
+        assert s.max_head_pages(6, max_model_len=5 * bs) == min(6 * s.max_head_pages(1), 5)
+        assert s.retained_capacity(s.max_head_pages(2)) == s.max_head_pages(2) * bs

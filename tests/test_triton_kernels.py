@@ -37,7 +37,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from vllm_kvevict.triton_kernels import compact_head_pages as chp  # noqa: E402
 from vllm_kvevict.triton_kernels import head_paged_attention as hpa  # noqa: E402
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary  # noqa: E402
+from vllm_kvevict.eviction.moments import EvictedMoments  # noqa: E402
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 
 # Triton's library was decorated before TRITON_INTERPRET was set: interpreted
 # kernels would call compiled-mode helpers and fail.
@@ -87,11 +88,11 @@ def _empty_cache(num_blocks: int, heads: int, page_size: int, head_dim: int, dty
     return torch.full((num_blocks, heads, page_size, head_dim), POISON, dtype=dtype, device=DEVICE)
 
 
-def _random_summary(gen: torch.Generator, rows: int, heads: int, head_dim: int, mode: str) -> EvictedSummary:
+def _random_summary(gen: torch.Generator, rows: int, heads: int, head_dim: int, mode: str) -> EvictedMoments:
     """``mode``: "zero" (nothing evicted yet) or "random" (some heads empty),
     with "-diagonal" or "-none" for a reduced covariance (default full)."""
     mode, _, covariance = mode.partition("-")
-    summary = EvictedSummary.zeros(rows, heads, head_dim, device=DEVICE, covariance=covariance or "full")
+    summary = EvictedMoments.zeros(rows, heads, head_dim, device=DEVICE, covariance=covariance or "full")
     if mode == "random":
         count = torch.randint(0, 40, (rows, heads), generator=gen).float()
         count[torch.rand(rows, heads, generator=gen) < 0.25] = 0.0
@@ -122,24 +123,21 @@ class AttentionCase:
     block_table: torch.Tensor
     region_start: torch.Tensor
     scale: float
-    summary: EvictedSummary | None
+    summary: EvictedMoments | None
     summary_rows: torch.Tensor | None
 
     def args(self):
-        return (
-            self.query,
-            self.key_cache,
-            self.value_cache,
-            self.query_start_loc,
-            self.seq_lens,
+        batch = HeadPagedBatch(
             self.head_page_table,
             self.head_lens,
+            self.query_start_loc,
+            self.seq_lens,
             self.block_table,
             self.region_start,
-            self.scale,
             self.summary,
             self.summary_rows,
         )
+        return self.query, self.key_cache, self.value_cache, batch, self.scale
 
 
 def make_attention_case(
@@ -350,16 +348,17 @@ def test_head_paged_attention_unowned_rows_and_summary_only() -> None:
     summary.count.fill_(5.0)
     query = torch.randn(4, heads, head_dim, device=DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    args = (
-        query, key_cache, value_cache,
-        torch.tensor([0, 3], **i32),  # token 3 belongs to no request
-        torch.tensor([4], **i32),
-        torch.full((1, heads, 1), 3, **i32),
-        torch.zeros(1, heads, **i32),
-        torch.tensor([[0, 1]], **i32),
-        torch.tensor([2], **i32),  # region [2, 4): the first query (position 1) sees none of it
-        0.3, summary, torch.zeros(1, **i32),
+    batch = HeadPagedBatch(
+        head_page_table=torch.full((1, heads, 1), 3, **i32),
+        head_lens=torch.zeros(1, heads, **i32),
+        query_start_loc=torch.tensor([0, 3], **i32),  # token 3 belongs to no request
+        seq_lens=torch.tensor([4], **i32),
+        block_table=torch.tensor([[0, 1]], **i32),
+        region_start=torch.tensor([2], **i32),  # region [2, 4): the first query (position 1) sees none of it
+        moments=summary,
+        moment_rows=torch.zeros(1, **i32),
     )
+    args = (query, key_cache, value_cache, batch, 0.3)
     for splits in (1, 2):
         out, lse = hpa.head_paged_attention(*args, num_splits=splits)
         ref_out, ref_lse = hpa.head_paged_attention_reference(*args)
@@ -381,14 +380,14 @@ class CompactionCase:
     keep: torch.Tensor
     keep_lens: torch.Tensor
     dest_page_table: torch.Tensor
-    summary: EvictedSummary | None
+    summary: EvictedMoments | None
     summary_rows: torch.Tensor | None
 
     def clone(self) -> CompactionCase:
         summary = None
         if self.summary is not None:
             s = self.summary
-            summary = EvictedSummary(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
+            summary = EvictedMoments(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
         return CompactionCase(
             _clone_strided(self.key_cache),
             _clone_strided(self.value_cache),
@@ -402,17 +401,10 @@ class CompactionCase:
         )
 
     def args(self):
-        return (
-            self.key_cache,
-            self.value_cache,
-            self.src_tokens,
-            self.src_lens,
-            self.keep,
-            self.keep_lens,
-            self.dest_page_table,
-            self.summary,
-            self.summary_rows,
+        after = HeadPagedBatch(
+            self.dest_page_table, self.keep_lens, moments=self.summary, moment_rows=self.summary_rows
         )
+        return self.key_cache, self.value_cache, self.src_tokens, self.src_lens, self.keep, after
 
 
 def _clone_strided(cache: torch.Tensor) -> torch.Tensor:
@@ -607,11 +599,12 @@ def test_compaction_then_attention() -> None:
     chp.compact_head_pages(*case.args())
     query = torch.randn(1, heads, head_dim, device=DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    out, _ = hpa.head_paged_attention(
-        query, case.key_cache, case.value_cache,
-        torch.tensor([0, 1], **i32), torch.zeros(1, **i32),  # no standard region
-        case.dest_page_table, case.src_lens, torch.zeros(1, 1, **i32), torch.zeros(1, **i32), scale,
+    batch = HeadPagedBatch(
+        case.dest_page_table, case.src_lens,
+        query_start_loc=torch.tensor([0, 1], **i32), seq_lens=torch.zeros(1, **i32),  # no standard region
+        block_table=torch.zeros(1, 1, **i32), region_start=torch.zeros(1, **i32),
     )
+    out, _ = hpa.head_paged_attention(query, case.key_cache, case.value_cache, batch, scale)
     for h, (keys, values) in enumerate(before):
         probs = torch.softmax(keys @ query[0, h] * scale, dim=0)
         torch.testing.assert_close(out[0, h], probs @ values, atol=1e-5, rtol=1e-5)

@@ -1,38 +1,38 @@
 """Compaction of one eviction over per-(request, KV-head) page tables, with the
-evicted tokens folded into the MomentKV summary.
+evicted tokens folded into MomentKV's moments.
 
-Storage as in ``head_paged_attention``: the logical cache is
-``[num_blocks, H, page_size, D]``, head-page ``page = block * H + slot`` is
-``cache[block, slot]``, and a token is addressed by its *flat address*
-``page * page_size + offset``.
+Storage as in :class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`: the
+logical cache is ``[num_blocks, H, page_size, D]``, head-page
+``page = block * H + slot`` is ``cache[block, slot]``, and a token is addressed
+by its *flat address* ``page * page_size + offset``.
 
-One call handles one eviction of ``R`` requests x ``H`` KV heads. For each
-``(r, h)``:
+One call handles one eviction of ``R`` requests x ``H`` KV heads; ``batch``
+describes the heads after it. For each ``(r, h)``:
 
 * ``src_tokens[r, h, :src_lens[r, h]]`` are the flat addresses of the head's
   live tokens, in sequence order (compacted pages, then standard-region slots:
   whatever the caller's page tables say);
-* ``keep[r, h, :keep_lens[r, h]]`` are the indices (into that row) of the
+* ``keep[r, h, :batch.head_lens[r, h]]`` are the indices (into that row) of the
   tokens it keeps, distinct, in the order they are written (normally
   increasing, which preserves sequence order);
-* kept token ``j`` goes to page ``dest_page_table[r, h, j // page_size]`` at
-  offset ``j % page_size``;
-* the live tokens not kept are folded into ``summary`` row ``summary_rows[r]``
-  (``-1``: no summary), head ``h``, exactly as :func:`fold_evicted_reference`
-  does (batch mean, centred cross-covariance, Chan merge with the stored state).
+* kept token ``j`` goes to page ``batch.head_page_table[r, h, j // page_size]``
+  at offset ``j % page_size``;
+* the live tokens not kept are folded into ``batch.moments`` row
+  ``batch.moment_rows[r]`` (``-1``: none), head ``h``, with Chan et al.'s
+  parallel update (:meth:`~vllm_kvevict.eviction.moments.EvictedMoments.folded`).
 
 Every read happens before every write, so destinations may overlap any
 sources (the kept set compacted in place inside the same blocks, or a head
 taking over pages another head is vacating). Nothing here knows which policy
 chose ``keep``. Distinct ``(r, h)`` must have disjoint destinations and distinct
-requests distinct summary rows.
+requests distinct moment rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary, fold_evicted_reference
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
 
 def _token_locations(flat: torch.Tensor, num_heads: int, page_size: int) -> tuple[torch.Tensor, ...]:
@@ -48,31 +48,29 @@ def compact_head_pages_reference(
     src_tokens: torch.Tensor,
     src_lens: torch.Tensor,
     keep: torch.Tensor,
-    keep_lens: torch.Tensor,
-    dest_page_table: torch.Tensor,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
+    batch: HeadPagedBatch,
 ) -> None:
     """Torch reference of :func:`compact_head_pages` (same arguments), in place."""
     num_requests, num_heads = src_lens.shape
     page_size = key_cache.shape[2]
     moves = []
     for r in range(num_requests):
-        row = -1 if summary_rows is None else int(summary_rows[r])
+        row = int(batch.moment_rows[r]) if batch.has_moments else -1
         for h in range(num_heads):
             live = int(src_lens[r, h])
-            kept = keep[r, h, : int(keep_lens[r, h])].long()
+            kept = keep[r, h, : int(batch.head_lens[r, h])].long()
             block, slot, offset = _token_locations(src_tokens[r, h, :live], num_heads, page_size)
             keys = key_cache[block, slot, offset]  # advanced indexing: copies
             values = value_cache[block, slot, offset]
-            if summary is not None and row >= 0:
+            if row >= 0:
+                assert batch.moments is not None
                 evicted = torch.ones(live, dtype=torch.bool, device=keys.device)
                 evicted[kept] = False
-                fold_evicted_reference(summary, row, h, keys[evicted], values[evicted])
+                batch.moments[row, h].fold_(keys, values, evicted)
             moves.append((r, h, keys[kept], values[kept]))
     for r, h, keys, values in moves:  # all reads above, all writes here
         j = torch.arange(keys.shape[0], device=keys.device)
-        page = dest_page_table[r, h, j // page_size].long()
+        page = batch.head_page_table[r, h, j // page_size].long()
         key_cache[page // num_heads, page % num_heads, j % page_size] = keys
         value_cache[page // num_heads, page % num_heads, j % page_size] = values
 
@@ -189,7 +187,7 @@ if triton is not None:
         """Program (r, h): count and means of the evicted batch, fp32.
 
         Writes ``batch_count[rh]`` and ``batch_mean[rh] = [k̄_B, v̄_B]``
-        (``[2, BLOCK_D]``); heads without a summary row write a zero count.
+        (``[2, BLOCK_D]``); heads without a moment row write a zero count.
         Iterates over the evicted tokens only (``evicted_index``), so a
         decode-time eviction of a few tokens costs a few loads, not a scan.
         """
@@ -265,7 +263,7 @@ if triton is not None:
         the evicted batch, ``C_B = Σ (v - v̄_B)(k - k̄_B)ᵀ`` for ``BLOCK_DV`` rows,
         Chan-merged into the stored rows:
         ``C += C_B + (n_A n_B / n)(v̄_B - v̄_A)(k̄_B - k̄_A)ᵀ``.
-        ``DIAGONAL``: the summary keeps only ``C_dd`` (``[N, H, D]``); the block
+        ``DIAGONAL``: the statistics keep only ``C_dd`` (``[N, H, D]``); the block
         is computed whole and its diagonal added.
 
         Reads the stored means and count and leaves them for the scatter launch
@@ -400,10 +398,7 @@ def compact_head_pages(
     src_tokens: torch.Tensor,
     src_lens: torch.Tensor,
     keep: torch.Tensor,
-    keep_lens: torch.Tensor,
-    dest_page_table: torch.Tensor,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
+    batch: HeadPagedBatch,
 ) -> None:
     """Compact one eviction in place (see the module docstring); Triton.
 
@@ -416,15 +411,15 @@ def compact_head_pages(
         src_lens: ``[R, H]`` live tokens per head.
         keep: ``[R, H, K_max]`` indices into ``src_tokens[r, h]`` of the kept
             tokens, distinct, in destination order.
-        keep_lens: ``[R, H]`` kept tokens per head.
-        dest_page_table: ``[R, H, P]`` head-page ids receiving the kept tokens.
-        summary, summary_rows: MomentKV summaries and each request's row
-            (``-1``: evicted tokens are dropped without a summary).
+        batch: the heads after the eviction: ``head_lens [R, H]`` kept tokens
+            per head, ``head_page_table [R, H, P]`` the head-pages receiving
+            them, and optionally the moments and each request's row (``-1``:
+            evicted tokens are dropped without statistics).
 
     Launches (no host sync): gather the moving kept tokens to a scratch buffer;
-    with a summary, the evicted batch's means, then its centred
+    with moments, the evicted batch's means, then its centred
     cross-covariance merged into ``cross_cov``; scatter the scratch buffer to
-    the destinations; with a summary, the count/means update. All reads of the
+    the destinations; with moments, the count/means update. All reads of the
     cache precede the scatter.
     """
     if triton is None:
@@ -440,9 +435,10 @@ def compact_head_pages(
     device = key_cache.device
     # (r, h) rows are flattened: program rh reads row rh of each [R, H, ...] table.
     rows = num_requests * num_heads
+    keep_lens = batch.head_lens
     src_tokens = src_tokens.reshape(rows, src_tokens.shape[-1])
     keep_flat = keep.reshape(rows, keep.shape[-1])
-    dest = dest_page_table.reshape(rows, dest_page_table.shape[-1])
+    dest = batch.head_page_table.reshape(rows, batch.head_page_table.shape[-1])
     for name, t in (("src_tokens", src_tokens), ("keep", keep_flat), ("dest_page_table", dest)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
@@ -474,17 +470,19 @@ def compact_head_pages(
     )
     _kept_token_kernel[move_grid](*move_args, **common, BLOCK_T=block_t, SCATTER=False, num_warps=4)
 
-    folding = summary is not None and summary_rows is not None
+    moments = batch.moments if batch.has_moments else None
+    moment_rows = batch.moment_rows
+    folding = moments is not None
     if folding:
-        assert summary is not None and summary_rows is not None
+        assert moments is not None and moment_rows is not None
         for name in ("key_mean", "value_mean"):
-            if getattr(summary, name).stride(-1) != 1:
-                raise ValueError(f"summary.{name} must be contiguous in its last dim")
+            if getattr(moments, name).stride(-1) != 1:
+                raise ValueError(f"moments.{name} must be contiguous in its last dim")
         evicted_index, evicted_count = evicted_tokens(src_lens, keep, keep_lens, src_tokens.shape[1])
         evicted_index = evicted_index.reshape(rows, -1)
         batch_count = torch.empty(rows, dtype=torch.float32, device=device)
         batch_mean = torch.empty(rows, 2, block_d, dtype=torch.float32, device=device)
-        token_args = (src_tokens, evicted_index, evicted_count.reshape(-1), summary_rows)
+        token_args = (src_tokens, evicted_index, evicted_count.reshape(-1), moment_rows)
         _evicted_mean_kernel[(rows,)](
             key_cache,
             value_cache,
@@ -499,18 +497,18 @@ def compact_head_pages(
             num_warps=4,
         )
         block_dv = min(32, block_d)
-        state = (summary.count, summary.key_mean, summary.value_mean, summary.cross_cov)
+        state = (moments.count, moments.key_mean, moments.value_mean, moments.cross_cov)
         state_strides = (
-            summary.count.stride(0),
-            summary.count.stride(1),
-            summary.key_mean.stride(0),
-            summary.key_mean.stride(1),
-            summary.value_mean.stride(0),
-            summary.value_mean.stride(1),
+            moments.count.stride(0),
+            moments.count.stride(1),
+            moments.key_mean.stride(0),
+            moments.key_mean.stride(1),
+            moments.value_mean.stride(0),
+            moments.value_mean.stride(1),
         )
-        covariance = summary.covariance
-        cov_strides = (tuple(summary.cross_cov.stride()) + (0,))[:4]
-    if folding and covariance != "none":  # the zeroth-order summary keeps no C
+        covariance = moments.covariance
+        cov_strides = (tuple(moments.cross_cov.stride()) + (0,))[:4]
+    if folding and covariance != "none":  # the zeroth-order statistics keep no C
         _fold_cross_cov_kernel[(rows, triton.cdiv(head_dim, block_dv))](
             key_cache,
             value_cache,
@@ -534,12 +532,12 @@ def compact_head_pages(
 
     if folding:
         _fold_means_kernel[(rows,)](
-            summary_rows,
+            moment_rows,
             batch_count,
             batch_mean,
-            summary.count,
-            summary.key_mean,
-            summary.value_mean,
+            moments.count,
+            moments.key_mean,
+            moments.value_mean,
             *state_strides,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,

@@ -1,26 +1,7 @@
 """Attention over per-(request, KV-head) page tables, with the evicted-token
-summary folded into the same softmax.
+moments folded into the same softmax.
 
-Storage (one layer). A vLLM block ``b`` holds one *head-page* per KV-head slot
-``s``: ``page = b * H + s`` addresses ``cache[b, s]``, ``page_size`` tokens of
-``D`` values. A request's KV head ``h`` reads, in order:
-
-1. its *compacted* tokens: ``head_lens[r, h]`` tokens filling the pages
-   ``head_page_table[r, h, :]`` in order (a page of any slot ``s``: heads that
-   keep more tokens borrow the head-pages of heads that keep fewer). They were
-   kept by evictions at or before ``region_start[r]``, so every query sees all
-   of them;
-2. its *standard region*: the slots ``[region_start[r], seq_lens[r])`` of the
-   request's block table, where vLLM's cache writer puts new tokens (head
-   ``h``'s token at slot ``t`` is in page ``block_table[r, t // page_size] * H + h``
-   at offset ``t % page_size``). Causal: a query at position ``p`` reads slots
-   ``<= p``;
-3. optionally the summary of what it has evicted (MomentKV, see
-   ``evicted_summary``), one more partial softmax state.
-
-The request's ``T`` queries are the last ``T`` positions ``seq_len - T ..
-seq_len - 1``. GQA: query head ``j`` reads KV head ``j // G``.
-
+The storage model and the batch are :class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`'s.
 This file holds the torch reference (the semantics every kernel is tested
 against) and the Triton kernel :func:`head_paged_attention` with the same
 semantics.
@@ -28,15 +9,10 @@ semantics.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from vllm_kvevict.triton_kernels.evicted_summary import (
-    EvictedSummary,
-    merge_partial_states,
-    summary_partial_state,
-)
+from vllm_kvevict.cpu_ops import attend_head_tokens
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
 
 def head_tokens_reference(
@@ -62,113 +38,37 @@ def head_tokens_reference(
     return torch.cat([compacted, standard])
 
 
-def attend_head_tokens(
-    query: torch.Tensor,
-    num_kv_heads: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    region_start: torch.Tensor,
-    head_lens: torch.Tensor,
-    read_head_tokens: Callable[[int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
-    summary: EvictedSummary | None,
-    summary_rows: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """The attention of the storage model, one (request, KV head) at a time,
-    into ``out [T, Hq, D]`` and ``lse [T, Hq]`` (fp32).
-
-    ``read_head_tokens(r, h, length, region_start, seq_len)`` returns head
-    ``h``'s keys and values: its ``length`` compacted tokens, then its standard
-    slots ``[region_start, seq_len)``; callers differ only in where those live.
-    """
-    num_q_heads = query.shape[1]
-    group = num_q_heads // num_kv_heads
-    starts = query_start_loc.tolist()
-    seq_list, region_list, lens = seq_lens.tolist(), region_start.tolist(), head_lens.tolist()
-    rows = summary_rows.tolist() if summary is not None and summary_rows is not None else None
-    for r in range(len(starts) - 1):
-        first, last = starts[r], starts[r + 1]
-        if last == first:
-            continue
-        seq_len, start = int(seq_list[r]), int(region_list[r])
-        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
-        for h in range(num_kv_heads):
-            length = int(lens[r][h])
-            keys, values = read_head_tokens(r, h, length, start, seq_len)
-            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
-            logits = torch.einsum("tgd,sd->tgs", q, keys.float()) * scale
-            # Compacted tokens are visible to every query, standard slots causally.
-            slot = torch.arange(keys.shape[0], device=query.device) - length + start
-            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
-            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
-            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
-            part_out = torch.einsum("tgs,sd->tgd", probs, values.float())
-            if rows is not None and int(rows[r]) >= 0:
-                assert summary is not None
-                row = int(rows[r])
-                e_out, e_lse = summary_partial_state(
-                    q,
-                    summary.count[row, h],
-                    summary.key_mean[row, h],
-                    summary.value_mean[row, h],
-                    summary.cross_cov[row, h],
-                    scale,
-                )
-                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
-            out[first:last, h * group : (h + 1) * group] = part_out
-            lse[first:last, h * group : (h + 1) * group] = part_lse
-
-
 def head_paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    head_page_table: torch.Tensor,
-    head_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    region_start: torch.Tensor,
+    batch: HeadPagedBatch,
     scale: float,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over its head's compacted tokens, standard region
-    and evicted summary.
+    and evicted-token moments.
 
     Args:
         query: ``[T, Hq, D]``.
         key_cache, value_cache: logical ``[num_blocks, H, page_size, D]``.
-        query_start_loc: ``[R + 1]``; request ``r`` owns queries
-            ``query_start_loc[r] : query_start_loc[r + 1]``.
-        seq_lens: ``[R]``, tokens of each request including this step's.
-        head_page_table: ``[R, H, max_pages]`` head-page ids ``block * H + slot``.
-        head_lens: ``[R, H]`` compacted tokens per head.
-        block_table: ``[R, max_blocks]`` vLLM block ids.
-        region_start: ``[R]`` first slot of the standard region.
-        summary, summary_rows: evicted-token summaries and each request's row
-            in them (``-1``: none).
+        batch: the requests (every attention field set).
 
     Returns:
         ``(out [T, Hq, D], lse [T, Hq])`` in fp32; ``lse`` is the natural-log
-        partition function including the summary; a head with nothing to read
+        partition function including the moments; a head with nothing to read
         gives ``out = 0, lse = -inf``.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
+    block_table = batch.for_attention()[2]
+
     def read(r: int, h: int, length: int, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (h, head_page_table[r, h], length, block_table[r], start, seq_len)
+        args = (h, batch.head_page_table[r, h], length, block_table[r], start, seq_len)
         return head_tokens_reference(key_cache, *args), head_tokens_reference(value_cache, *args)
 
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), device=query.device)
-    attend_head_tokens(
-        query, num_kv_heads, query_start_loc, seq_lens, region_start, head_lens, read, scale,
-        summary, summary_rows, out, lse,
-    )
+    attend_head_tokens(query, num_kv_heads, batch, read, scale, out, lse)
     return out, lse
 
 
@@ -176,7 +76,7 @@ def head_paged_attention_reference(
 
 # The kernel below is a real GPU kernel; on machines without one the tests run it
 # under ``TRITON_INTERPRET=1``. Importing this module never requires triton: the
-# reference above is the serving path of CPU workers.
+# reference above runs anywhere.
 try:
     import triton
     import triton.language as tl
@@ -364,9 +264,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         if HAS_SUMMARY:
-            # The evicted summary is the softmax's starting state (one split owns it):
-            # m = lse_E, l = 1, acc = o_E, with lse_E = log n + τ q·k̄ and
-            # o_E = v̄ + τ C q / n (A2.7). Its fp32 statistics cost one extra read.
+            # The evicted moments are the softmax's starting state (one split owns it):
+            # m = lse_E, l = 1, acc = o_E, with lse_E = log n + τ q·k̄ (Eq. 11) and
+            # o_E = v̄ + τ C q / n (Eq. 9). Their fp32 statistics cost one extra read.
             row = tl.load(summary_rows_ptr + req)
             if (split == 0) & (row >= 0):
                 row64 = row.to(tl.int64)
@@ -590,15 +490,8 @@ def head_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    head_page_table: torch.Tensor,
-    head_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    region_start: torch.Tensor,
+    batch: HeadPagedBatch,
     scale: float,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
@@ -629,13 +522,15 @@ def head_paged_attention(
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
     group = num_q_heads // num_kv_heads
+    query_start_loc, seq_lens, block_table, region_start = batch.for_attention()
+    head_page_table, head_lens = batch.head_page_table, batch.head_lens
     num_requests = seq_lens.shape[0]
     device = query.device
-    has_summary = summary is not None and summary_rows is not None
-    if has_summary:
+    moments = batch.moments if batch.has_moments else None
+    if moments is not None:
         for name in ("key_mean", "value_mean"):
-            if getattr(summary, name).stride(-1) != 1:
-                raise ValueError(f"summary.{name} must be contiguous in its last dim")
+            if getattr(moments, name).stride(-1) != 1:
+                raise ValueError(f"moments.{name} must be contiguous in its last dim")
 
     f32 = dict(dtype=torch.float32, device=device)
     if num_tokens == 0 or num_requests == 0:
@@ -675,16 +570,15 @@ def head_paged_attention(
         part_out = torch.empty(num_splits, *out.shape, **f32)
         part_lse = torch.empty(num_splits, *lse.shape, **f32)
 
-    if has_summary:
-        assert summary is not None and summary_rows is not None
+    if moments is not None:
         count, key_mean, value_mean, cross_cov = (
-            summary.count,
-            summary.key_mean,
-            summary.value_mean,
-            summary.cross_cov,
+            moments.count,
+            moments.key_mean,
+            moments.value_mean,
+            moments.cross_cov,
         )
-        rows = summary_rows
-        cov_mode = {"none": 0, "diagonal": 1, "full": 2}[summary.covariance]
+        rows = batch.moment_rows
+        cov_mode = {"none": 0, "diagonal": 1, "full": 2}[moments.covariance]
         if cov_mode == 0:  # an empty C: hand the kernel a placeholder it never reads
             cross_cov = out.unsqueeze(0)
     else:  # never read (HAS_SUMMARY is a constexpr): placeholders of the right rank
@@ -748,7 +642,7 @@ def head_paged_attention(
         BLOCK_N=block_n,
         BLOCK_DK=16,
         NUM_SPLITS=num_splits,
-        HAS_SUMMARY=has_summary,
+        HAS_SUMMARY=moments is not None,
         COV_MODE=cov_mode,
         DOT_PRECISION=precision,
         DOT_UPCAST=key_cache.dtype == torch.bfloat16 and _interpreted(_head_paged_attention_kernel),

@@ -1,7 +1,4 @@
-"""Torch reference ops over vLLM's paged KV cache (CPU layout).
-
-These are the semantics every later kernel (Triton on GPU, C++ on CPU) is
-tested against, and the ``cpu_attention="torch"`` serving path.
+"""Torch reference ops over a paged KV cache: a request's region of slots.
 
 Layout: a *logical* paged cache ``[num_blocks, H, block_size, D]`` (callers
 whose kernels store pages in another order convert first). A request's
@@ -35,37 +32,3 @@ def scatter_region(cache: torch.Tensor, block_ids: torch.Tensor, tokens: torch.T
     heads = torch.arange(num_heads, device=cache.device)[:, None]
     cache[block[None, :], heads, offset[None, :]] = tokens.to(cache.dtype)
 
-
-def region_attention_reference(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    region_start: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of one request's queries over its live region.
-
-    Args:
-        query: ``[T, Hq, D]``, the queries of the last ``T`` positions
-            ``seq_len - T .. seq_len - 1`` where ``seq_len = region_start + S``.
-        keys, values: ``[H, S, D]``, the tokens in slots
-            ``[region_start, seq_len)``: the retained tokens (in original order)
-            followed by the new ones at their true slots.
-
-    A slot never holds a token later than its own index, and every retained
-    token precedes every new one, so "slot <= query position" is exactly the
-    causal mask. GQA: query head ``j`` reads KV head ``j // G``. Returns
-    ``[T, Hq, D]`` in fp32.
-    """
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads, length, _ = keys.shape
-    group = num_q_heads // num_kv_heads
-    seq_len = region_start + length
-    q = query.float().reshape(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    logits = torch.einsum("hgtd,hsd->hgts", q, keys.float()) * scale
-    key_slots = torch.arange(region_start, seq_len, device=query.device)
-    query_positions = torch.arange(seq_len - num_tokens, seq_len, device=query.device)
-    future = key_slots[None, :] > query_positions[:, None]  # [T, S]
-    logits = logits.masked_fill(future, float("-inf"))
-    out = torch.einsum("hgts,hsd->hgtd", torch.softmax(logits, dim=-1), values.float())
-    return out.permute(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim)

@@ -1,9 +1,12 @@
 """The eviction configuration: one validated pydantic model.
 
 It reaches every vLLM process as ``vllm_config.additional_config["kv_eviction"]``
-(a plain dict, so it pickles across the spawned engine and worker processes),
-whether it came from ``vllm serve --kv-eviction`` or from
-``LLM(..., additional_config={"kv_eviction": {...}})``.
+(a plain dict, so it pickles across the spawned engine and worker processes
+and hashes into vLLM's compile cache key), whether it came from
+``vllm serve --kv-eviction`` or from
+``LLM(..., additional_config={"kv_eviction": {...}})``. Each process validates
+given settings once: the same content gives back the same frozen
+:class:`EvictionConfig`, with its policy object built once.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
 from vllm_kvevict.policies.allocation import (
@@ -21,6 +24,7 @@ from vllm_kvevict.policies.allocation import (
     HeadAllocation,
     UniformAllocation,
 )
+from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
 from vllm_kvevict.schedule import EvictionSchedule
 
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -127,6 +131,8 @@ class EvictionConfig(BaseModel):
         "different numbers of tokens); default head_pages when head_budget is adaptive "
         "or moment_correction is on, else slots",
     )
+    # The policy object, built (and its options checked) by validation.
+    _policy: EvictionPolicy = PrivateAttr()
 
     @model_validator(mode="before")
     @classmethod
@@ -188,7 +194,7 @@ class EvictionConfig(BaseModel):
                 "'head_pages'; "
                 "drop storage 'slots'"
             )
-        make_policy(self.policy, self.policy_options)
+        self._policy = make_policy(self.policy, self.policy_options)
         return self
 
     @property
@@ -201,19 +207,30 @@ class EvictionConfig(BaseModel):
             return self.needs_head_pages
         return self.storage == "head_pages"
 
+    def build_policy(self) -> EvictionPolicy:
+        """The policy object with its options (built once: policies keep no
+        state between evictions)."""
+        return self._policy
+
     def build_allocation(self) -> HeadAllocation:
         if self.head_budget == "adaptive":
             return AdaKVAllocation(self.head_budget_floor)
         if self.head_budget == "global":
-            return GlobalAllocation(floor=int(self.policy_options.get("min_tokens_per_head", 0)))
+            # Validation admits global only for a policy that scores every
+            # layer on one scale: the learned one.
+            policy = self.build_policy()
+            assert isinstance(policy, LearnedRetentionPolicy)
+            return GlobalAllocation(floor=policy.min_tokens_per_head)
         return UniformAllocation()
 
     def check_block_size(self, block_size: int) -> None:
         """head_pages storage keeps whole blocks' worth of pages per head: the
-        smallest capacity after an eviction is ``budget`` rounded down to blocks."""
+        smallest capacity after an eviction is ``budget`` rounded down to blocks
+        (:attr:`EvictionSchedule.min_retained_blocks`)."""
         if not self.uses_head_pages:
             return
-        capacity = self.budget // block_size * block_size
+        # Capacities do not depend on the prefill interval.
+        capacity = self.schedule(block_size, block_size).min_retained_blocks * block_size
         if capacity < max(self.sink_tokens + self.recent_window, 1):
             raise KVEvictionConfigError(
                 f"with storage head_pages a head keeps whole blocks of {block_size} "
@@ -224,7 +241,8 @@ class EvictionConfig(BaseModel):
             )
 
     def schedule(self, block_size: int, default_prefill_interval: int) -> EvictionSchedule:
-        """The schedule; ``default_prefill_interval`` applies when none is set."""
+        """The schedule of these settings, the one place one is built from
+        them; ``default_prefill_interval`` applies when none is set."""
         return EvictionSchedule(
             self.budget, self.decode_interval, block_size, self.prefill_mode,
             self.end_of_prompt_max_tokens,
@@ -234,9 +252,6 @@ class EvictionConfig(BaseModel):
     @property
     def poisons_freed_blocks(self) -> bool:
         return self.poison_freed_blocks or os.environ.get(POISON_ENV, "") not in ("", "0")
-
-    def build_policy(self) -> EvictionPolicy:
-        return make_policy(self.policy, self.policy_options)
 
     def to_additional_config(self) -> dict[str, Any]:
         return self.model_dump()
@@ -291,11 +306,37 @@ def parse_config_source(source: str) -> dict[str, Any]:
     return data
 
 
-def build_config(data: dict[str, Any]) -> EvictionConfig:
+# Validated configs of this process, by the canonical JSON of their settings.
+_validated: dict[str, EvictionConfig] = {}
+_MAX_REMEMBERED = 256
+
+
+def _content_key(data: dict[str, Any]) -> str | None:
+    """The settings' canonical JSON; None when they are not plain JSON data."""
     try:
-        return EvictionConfig(**data)
+        return json.dumps(data, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def build_config(data: dict[str, Any]) -> EvictionConfig:
+    """Validate settings. Within a process the same content (or the dump of a
+    config built before) gives back the same config object."""
+    key = _content_key(data)
+    if key is not None and key in _validated:
+        return _validated[key]
+    try:
+        config = EvictionConfig(**data)
     except ValidationError as exc:
         raise KVEvictionConfigError(f"invalid KV eviction config: {_describe(exc)}") from None
+    if key is not None:
+        if len(_validated) >= _MAX_REMEMBERED:
+            _validated.clear()
+        _validated[key] = config
+        dumped = _content_key(config.to_additional_config())
+        if dumped is not None:
+            _validated.setdefault(dumped, config)
+    return config
 
 
 def config_from_cli(policy: str | None, config_source: str | None) -> EvictionConfig | None:
@@ -314,7 +355,9 @@ def config_from_cli(policy: str | None, config_source: str | None) -> EvictionCo
 
 
 def config_from_additional(additional_config: dict[str, Any] | None) -> EvictionConfig | None:
-    """The eviction config carried by a ``VllmConfig``, or None when eviction is off."""
+    """The eviction config carried by a ``VllmConfig``, or None when eviction is off.
+
+    Every call in a process with the same settings returns the same object."""
     if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
         return None
     data = additional_config[ADDITIONAL_CONFIG_KEY]

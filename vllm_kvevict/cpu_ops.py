@@ -14,10 +14,16 @@ a V page. Compacted head-pages (``head_page_table``) hold their tokens in the
 plain logical order (element ``(t, d)`` at ``t * D + d`` of the page);
 standard-region pages (the request's ``block_table``) are in vLLM's ISA layout,
 read through the probed offset tables of
-:class:`~vllm_kvevict.vllm_glue.cpu_page_layout.PageLayout`. The semantics are
-those of
+:class:`~vllm_kvevict.vllm_glue.cpu_page_layout.PageLayout`. The batch
+(:class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`) and the semantics
+are those of
 :func:`~vllm_kvevict.triton_kernels.head_paged_attention.head_paged_attention_reference`
 on the logical cache.
+
+Also here, the other torch code of the CPU serving path:
+:func:`attend_head_tokens` (the attention both torch implementations share)
+and :func:`region_attention` (``cpu_attention="torch"`` with ``slots``
+storage).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import threading
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
-from vllm_kvevict.triton_kernels.evicted_summary import EvictedSummary
-from vllm_kvevict.triton_kernels.head_paged_attention import attend_head_tokens
+from vllm_kvevict.eviction.moments import merge_partial_states
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _build_directory() -> Path:
-    from vllm_kvevict.default_model import cache_dir
+    from vllm_kvevict.paths import cache_dir
 
     path = cache_dir() / "torch_extensions" / f"{_EXTENSION_NAME}-{_cpu_fingerprint()}"
     path.mkdir(parents=True, exist_ok=True)
@@ -126,6 +133,89 @@ def _reason(exc: BaseException) -> str:
 # --------------------------------------------------------------------- torch path
 
 
+def region_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    region_start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one request's queries over its live region.
+
+    Args:
+        query: ``[T, Hq, D]``, the queries of the last ``T`` positions
+            ``seq_len - T .. seq_len - 1`` where ``seq_len = region_start + S``.
+        keys, values: ``[H, S, D]``, the tokens in slots
+            ``[region_start, seq_len)``: the retained tokens (in original order)
+            followed by the new ones at their true slots.
+
+    A slot never holds a token later than its own index, and every retained
+    token precedes every new one, so "slot <= query position" is exactly the
+    causal mask. GQA: query head ``j`` reads KV head ``j // G``. Returns
+    ``[T, Hq, D]`` in fp32.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads, length, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    seq_len = region_start + length
+    q = query.float().reshape(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    logits = torch.einsum("hgtd,hsd->hgts", q, keys.float()) * scale
+    key_slots = torch.arange(region_start, seq_len, device=query.device)
+    query_positions = torch.arange(seq_len - num_tokens, seq_len, device=query.device)
+    future = key_slots[None, :] > query_positions[:, None]  # [T, S]
+    logits = logits.masked_fill(future, float("-inf"))
+    out = torch.einsum("hgts,hsd->hgtd", torch.softmax(logits, dim=-1), values.float())
+    return out.permute(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def attend_head_tokens(
+    query: torch.Tensor,
+    num_kv_heads: int,
+    batch: HeadPagedBatch,
+    read_head_tokens: Callable[[int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Attention over per-head page tables, one (request, KV head) at a time,
+    into ``out [T, Hq, D]`` and ``lse [T, Hq]`` (fp32).
+
+    ``read_head_tokens(r, h, length, region_start, seq_len)`` returns head
+    ``h``'s keys and values: its ``length`` compacted tokens, then its standard
+    slots ``[region_start, seq_len)``; callers differ only in where those live.
+    """
+    query_start_loc, seq_lens, _, region_start = batch.for_attention()
+    num_q_heads = query.shape[1]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    seq_list, region_list, lens = seq_lens.tolist(), region_start.tolist(), batch.head_lens.tolist()
+    rows = batch.moment_rows.tolist() if batch.has_moments else None
+    for r in range(len(starts) - 1):
+        first, last = starts[r], starts[r + 1]
+        if last == first:
+            continue
+        seq_len, start = int(seq_list[r]), int(region_list[r])
+        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
+        for h in range(num_kv_heads):
+            length = int(lens[r][h])
+            keys, values = read_head_tokens(r, h, length, start, seq_len)
+            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
+            logits = torch.einsum("tgd,sd->tgs", q, keys.float()) * scale
+            # Compacted tokens are visible to every query, standard slots causally.
+            slot = torch.arange(keys.shape[0], device=query.device) - length + start
+            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
+            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
+            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
+            part_out = torch.einsum("tgs,sd->tgd", probs, values.float())
+            if rows is not None and int(rows[r]) >= 0:
+                assert batch.moments is not None
+                e_out, e_lse = batch.moments[int(rows[r]), h].partial_state(q, scale)
+                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
+            out[first:last, h * group : (h + 1) * group] = part_out
+            lse[first:last, h * group : (h + 1) * group] = part_lse
+
+
 def _head_rows(
     kv_cache: torch.Tensor,
     half: slice,
@@ -163,17 +253,10 @@ def _head_rows(
 def head_paged_attention_torch(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    head_page_table: torch.Tensor,
-    head_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    region_start: torch.Tensor,
     key_offsets: torch.Tensor,
     value_offsets: torch.Tensor,
+    batch: HeadPagedBatch,
     scale: float,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +268,8 @@ def head_paged_attention_torch(
     key_half, value_half = slice(0, page_size), slice(page_size, 2 * page_size)
     key_index = key_offsets.to(torch.long)
     value_index = value_offsets.to(torch.long)
-    tables = head_page_table.tolist()
-    blocks = block_table.tolist()
+    tables = batch.head_page_table.tolist()
+    blocks = batch.for_attention()[2].tolist()
 
     def read(r: int, h: int, length: int, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         args = (h, tables[r][h], length, blocks[r], start, seq_len)
@@ -195,10 +278,7 @@ def head_paged_attention_torch(
             _head_rows(kv_cache, value_half, value_index, *args),
         )
 
-    attend_head_tokens(
-        query, kv_cache.shape[1], query_start_loc, seq_lens, region_start, head_lens, read,
-        scale, summary, summary_rows, out, lse,
-    )
+    attend_head_tokens(query, kv_cache.shape[1], batch, read, scale, out, lse)
     return out, lse
 
 
@@ -219,69 +299,56 @@ def _outputs(
 def head_paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    head_page_table: torch.Tensor,
-    head_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    region_start: torch.Tensor,
     key_offsets: torch.Tensor,
     value_offsets: torch.Tensor,
+    batch: HeadPagedBatch,
     scale: float,
-    summary: EvictedSummary | None = None,
-    summary_rows: torch.Tensor | None = None,
+    *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over its KV head's compacted pages, causal
-    standard region and evicted-token summary; ``(out [T, Hq, D], lse [T, Hq])``
+    standard region and evicted-token moments; ``(out [T, Hq, D], lse [T, Hq])``
     in fp32 (natural-log lse, ``0 / -inf`` for a head with nothing to read).
 
     Args:
         query: ``[T, Hq, D]`` (fp32, bf16 or fp16; the last dim contiguous).
         kv_cache: ``[num_blocks, H, 2 * page_size, D]``, one layer of vLLM's
             CPU cache (fp32, bf16 or fp16).
-        query_start_loc: ``[R + 1]``; request ``r`` owns queries
-            ``query_start_loc[r] : query_start_loc[r + 1]``, the last positions
-            before ``seq_lens[r]``.
-        seq_lens: ``[R]``. head_page_table: ``[R, H, max_pages]`` head-page ids.
-        head_lens: ``[R, H]`` compacted tokens per head. block_table:
-            ``[R, max_blocks]``. region_start: ``[R]`` first standard slot.
         key_offsets, value_offsets: ``[page_size * D]`` offset in a K (V) page
             of logical element ``(t, d)`` (``PageLayout.key_index`` /
             ``value_index``).
-        summary, summary_rows: evicted-token summaries and each request's row
-            (``-1``: none).
+        batch: the requests' page tables, standard regions and moments (every
+            attention field set).
         out, lse: optional preallocated fp32 outputs.
         native: use the C++ kernel when it is available.
     """
     module = load_cpu_ops() if native else None
     if module is None:
         return head_paged_attention_torch(
-            query, kv_cache, query_start_loc, seq_lens, head_page_table, head_lens,
-            block_table, region_start, key_offsets, value_offsets, scale, summary,
-            summary_rows, out, lse,
+            query, kv_cache, key_offsets, value_offsets, batch, scale, out, lse
         )
+    query_start_loc, seq_lens, block_table, region_start = batch.for_attention()
     out, lse = _outputs(query, out, lse)
-    use_summary = summary is not None and summary_rows is not None
+    moments = batch.moments if batch.has_moments else None
     module.head_paged_attention(
         query,
         kv_cache.contiguous(),
         query_start_loc.contiguous(),
         seq_lens.contiguous(),
-        head_page_table.contiguous(),
-        head_lens.contiguous(),
+        batch.head_page_table.contiguous(),
+        batch.head_lens.contiguous(),
         block_table.contiguous(),
         region_start.contiguous(),
         key_offsets.contiguous(),
         value_offsets.contiguous(),
         float(scale),
-        summary.count if use_summary else None,
-        summary.key_mean if use_summary else None,
-        summary.value_mean if use_summary else None,
-        summary.cross_cov if use_summary else None,
-        summary_rows.contiguous() if use_summary else None,
+        moments.count if moments is not None else None,
+        moments.key_mean if moments is not None else None,
+        moments.value_mean if moments is not None else None,
+        moments.cross_cov if moments is not None else None,
+        batch.moment_rows.contiguous() if moments is not None else None,
         out,
         lse,
     )
@@ -289,7 +356,9 @@ def head_paged_attention(
 
 
 __all__ = [
+    "attend_head_tokens",
     "head_paged_attention",
     "head_paged_attention_torch",
     "load_cpu_ops",
+    "region_attention",
 ]

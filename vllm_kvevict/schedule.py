@@ -2,7 +2,7 @@
 
 Both sides of vLLM use this module and nothing else to agree on memory:
 
-* the scheduler's :class:`~vllm_kvevict.vllm_glue.manager.EvictionManager`
+* the scheduler's :class:`~vllm_kvevict.vllm_glue.spec.EvictionManager`
   frees every block below :meth:`EvictionSchedule.frontier`;
 * the worker's attention backend compacts the retained tokens of every
   (layer, KV head) into the slots ``[frontier, P)`` inside the forward pass
@@ -20,8 +20,8 @@ Eviction points
     * ``end_of_prompt`` prefill: only the prompt length;
     * ``hybrid`` prefill: ``end_of_prompt`` up to a prompt length, beyond it
       ``per_chunk``;
-    * decode: ``prompt_len + k * interval`` for ``k >= 1`` (every ``interval``
-      decode steps).
+    * decode: ``prompt_len + k * decode_interval`` for ``k >= 1`` (every
+      ``decode_interval`` decode steps).
 
     The points depend on the request alone, never on how the scheduler cut
     its steps: a step that crosses several points (a chunk shared with other
@@ -55,7 +55,7 @@ def cdiv(a: int, b: int) -> int:
 class EvictionSchedule:
     budget: int
     """Minimum tokens retained per KV head after an eviction."""
-    interval: int
+    decode_interval: int
     """Decode steps between two decode-time evictions."""
     block_size: int
     prefill_mode: PrefillMode = "per_chunk"
@@ -69,7 +69,7 @@ class EvictionSchedule:
     """``per_chunk`` prefill: prompt tokens between two evictions."""
 
     def __post_init__(self) -> None:
-        if min(self.budget, self.interval, self.block_size, self.prefill_interval) < 1:
+        if min(self.budget, self.decode_interval, self.block_size, self.prefill_interval) < 1:
             raise ValueError(f"invalid eviction schedule {self}")
 
     def holds_whole_prompt(self, prompt_len: int) -> bool:
@@ -84,7 +84,7 @@ class EvictionSchedule:
             if self.holds_whole_prompt(prompt_len):
                 return 0
             return n // self.prefill_interval * self.prefill_interval
-        return prompt_len + (n - prompt_len) // self.interval * self.interval
+        return prompt_len + (n - prompt_len) // self.decode_interval * self.decode_interval
 
     def frontier_at_point(self, point: int) -> int:
         """First live slot after evicting at ``point`` (block-aligned)."""
@@ -113,10 +113,9 @@ class EvictionSchedule:
             points.extend(range(first, min(n_after, prompt_len - 1) + 1, step))
         if n_before < prompt_len <= n_after:
             points.append(prompt_len)
-        first_decode = max(n_before - prompt_len, 0) // self.interval + 1
-        points.extend(
-            range(prompt_len + first_decode * self.interval, n_after + 1, self.interval)
-        )
+        every = self.decode_interval
+        first_decode = max(n_before - prompt_len, 0) // every + 1
+        points.extend(range(prompt_len + first_decode * every, n_after + 1, every))
         return points
 
     def max_blocks_per_request(self, max_step_tokens: int) -> int | None:
@@ -127,20 +126,46 @@ class EvictionSchedule:
         tokens, all of them allocated before its single eviction.
 
         When a step over ``(n, n + c]`` is allocated, the request holds slots
-        ``[F(n), n + c)``. ``n - P_e(n) <= max(interval, prefill_interval) - 1``
+        ``[F(n), n + c)``. ``n - P_e(n) <= max(decode_interval, prefill_interval) - 1``
         and ``P_e(n) - F(n) <= budget + block_size - 1``, so the span is at most
-        ``budget + max(interval, prefill_interval) + c + block_size - 2`` tokens
+        ``budget + max(decode_interval, prefill_interval) + c + block_size - 2`` tokens
         from a block-aligned start.
         """
         if self.prefill_mode == "end_of_prompt":
             return None
-        gap = max(self.interval, self.prefill_interval)
+        gap = max(self.decode_interval, self.prefill_interval)
         span = self.budget + gap + max_step_tokens + self.block_size - 2
         bound = cdiv(span, self.block_size)
         if self.prefill_mode == "hybrid":
             bound = max(bound, cdiv(self.end_of_prompt_max_tokens, self.block_size))
         return bound
 
-    def retained_capacity(self) -> int:
-        """Largest number of compacted tokens a head can hold (side buffers)."""
+    @property
+    def min_retained_blocks(self) -> int:
+        """Fewest blocks ``P // block_size - F // block_size`` an eviction at
+        ``P`` retains: with head_pages storage, a head's equal share of the
+        retained pages."""
+        return self.budget // self.block_size
+
+    def max_head_pages(self, streams: int, max_model_len: int | None = None) -> int:
+        """Page-table width of one (layer, KV head) with head_pages storage.
+
+        After an eviction a request's compacted tokens fill the blocks
+        ``[F // block_size, P // block_size)``, at most
+        ``min_retained_blocks + 1`` of them, and one head may take every
+        head-page that ``streams`` heads hold in them (the layer's KV heads,
+        or every layer's when one ranking spans the layers). ``max_model_len``,
+        when given, caps it at a whole sequence.
+        """
+        pages = streams * (self.min_retained_blocks + 1)
+        if max_model_len is not None:
+            pages = min(pages, cdiv(max_model_len, self.block_size))
+        return pages
+
+    def retained_capacity(self, max_head_pages: int = 0) -> int:
+        """Largest number of compacted tokens a head can hold (side buffers):
+        ``budget + block_size`` in its slots, or ``max_head_pages`` whole
+        pages with head_pages storage (``max_head_pages > 0``)."""
+        if max_head_pages:
+            return max_head_pages * self.block_size
         return self.budget + self.block_size

@@ -32,7 +32,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from vllm_kvevict.default_model import cache_dir, fetch_default_model
+from vllm_kvevict.default_model import fetch_default_model
+from vllm_kvevict.paths import cache_dir
 
 TINY_MODEL_NAME = "tiny-llama-hd32"
 BUILD_MARKER = "kvevict_tiny.json"

@@ -1,4 +1,5 @@
-"""How a layer's retained tokens are split across its KV heads.
+"""How a layer's retained tokens are split across its KV heads (or a request's
+across every layer and KV head, with one global ranking).
 
 A policy scores tokens; an allocation decides how many each head keeps. With
 per-head page tables the memory a request holds follows the *sum* of its
@@ -17,8 +18,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
-from vllm_kvevict.policies.retention_gate import global_top_b
 
 
 @dataclass
@@ -88,6 +87,47 @@ class AdaKVAllocation(HeadAllocation):
         return torch.bincount(chosen // num_live, minlength=num_heads)
 
 
+def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Tensor:
+    """Which entries stay: the ``budget`` best over every stream (DBTrimKV's
+    global top-B).
+
+    ``scores [S, N]``: one row per (layer, KV head) stream, ``-inf`` where a
+    stream has no entry (padding), ``+inf`` for entries that must stay (sinks,
+    recent tokens). ``floor``: each stream keeps at least this many of its own
+    best (the authors' ``min_tokens_per_head``): the global pass chooses
+    ``budget - S * floor`` entries, then each stream keeps its count plus the
+    floor, re-chosen by its own scores. Returns a bool mask ``[S, N]`` that
+    keeps exactly ``min(budget, live entries)`` entries.
+    """
+    streams, width = scores.shape
+    live = scores > float("-inf")
+    total_live = int(live.sum())
+    if budget >= total_live:
+        return live.clone()
+    if floor * streams > budget:
+        raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
+    flat = scores.reshape(-1)
+    chosen = torch.topk(flat, budget - floor * streams).indices
+    keep = torch.zeros(streams * width, dtype=torch.bool, device=scores.device)
+    keep[chosen] = True
+    keep = keep.view(streams, width)
+    if floor == 0:
+        return keep & live
+    counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
+    # The global pass left budget - sum(counts) unused where a stream had fewer
+    # live entries than count + floor; hand it out again globally.
+    order = torch.argsort(scores, dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(width, device=scores.device).expand(streams, width))
+    keep = (rank < counts[:, None]) & live
+    spare = budget - int(keep.sum())
+    if spare > 0:
+        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(-1)
+        extra = torch.topk(rest, min(spare, int((rest > float("-inf")).sum()))).indices
+        keep.view(-1)[extra] = True
+    return keep
+
+
 @dataclass
 class GlobalAllocation(HeadAllocation):
     """One ranking over every stream it is given (DBTrimKV's global top-B):
@@ -120,11 +160,6 @@ def stack_streams(scores: list[torch.Tensor]) -> torch.Tensor:
         stacked[first : first + score.shape[0], : score.shape[1]] = score
         first += score.shape[0]
     return stacked
-
-
-ALLOCATIONS: dict[str, type[HeadAllocation]] = {
-    cls.name: cls for cls in (UniformAllocation, AdaKVAllocation, GlobalAllocation)
-}
 
 
 def round_to_pages(

@@ -16,6 +16,9 @@ Shapes (one request, one layer)::
                      queries: expected_attention), or None
     output_projection [Hq, D, d_model] each query head's slice of the layer's
                      output projection W_O (criticalkv), or None
+    evicted          the request's row of the evicted-token statistics
+                     (:class:`~vllm_kvevict.eviction.moments.EvictedMoments`,
+                     count [H]), for policies with needs_moments, or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -29,34 +32,12 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.eviction.moments import EvictedMoments
 
 # Key position of padding when heads hold different numbers of live tokens
 # (per-head page tables): after every query, so attention-based scores give it
 # nothing, and masked_scores never keeps it.
 PADDING_POSITION = 1 << 40
-
-
-@dataclass
-class EvictedMoments:
-    """What each KV head has evicted so far (MomentKV's statistics), fp32:
-    count ``[H]``, key and value means ``[H, D]``, and the value x centred-key
-    cross-covariance ``Σ (v - v̄)(k - k̄)ᵀ`` ``[H, D, D]`` (or only its
-    diagonal, ``[H, D]``, or nothing, ``[H, 0]``: ``moment_covariance``)."""
-
-    count: torch.Tensor
-    key_mean: torch.Tensor
-    value_mean: torch.Tensor
-    cross_cov: torch.Tensor
-
-
-def cross_covariance_times(cross_cov: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``C x`` per head for ``cross_cov`` ``[H, D, D]`` (full), ``[H, D]``
-    (diagonal) or ``[H, 0]`` (none: zero) and ``x [H, S, D]``."""
-    if cross_cov.shape[-1] == 0:
-        return torch.zeros_like(x)
-    if cross_cov.dim() == 2:
-        return cross_cov[:, None, :] * x
-    return torch.einsum("hvk,hsk->hsv", cross_cov, x)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,8 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.policies.base import (
-    EvictedMoments,
-    EvictionPolicy,
-    ScoringInputs,
-    cross_covariance_times,
-)
+from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
+from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
 
@@ -36,7 +32,7 @@ class MomentKVPolicy(EvictionPolicy):
     so α is SnapKV's pooled score and the SnapKV selection with the same
     pooling is the base this policy is compared with (the paper's ablation,
     Table 3, is on SnapKV too). The evicted tokens are folded into the statistics and corrected
-    for in every attention output (``moment_correction``, A2.7), which this
+    for in every attention output (``moment_correction``, Eqs. 9-12), which this
     policy requires. With ``moment_covariance`` diagonal or none, the model
     is the same with ``C`` reduced to its diagonal or dropped. The
     one-token-at-a-time greedy of Alg. 1 is run in ``rounds`` batches (see
@@ -68,7 +64,7 @@ class MomentKVPolicy(EvictionPolicy):
         that now include it; at an eviction of thousands of tokens that is
         infeasible, and a single pass degenerates to ``α_j ‖v_j - v̄‖`` (with
         nothing evicted yet, ``α_j ‖v_j‖``: the residual never sees the moment
-        model). The spec's batched form (A4(a)): ``rounds`` rounds, each
+        model). Batched instead: ``rounds`` rounds, each
         evicting the lowest-scoring ``1/rounds`` of what each head must drop,
         folding them into a copy of the statistics, and rescoring the rest.
 
@@ -104,7 +100,7 @@ class MomentKVPolicy(EvictionPolicy):
             refined = torch.where(batch, float(r - self.rounds), refined)
             evicted |= batch
             done = target
-            moments = fold_moments(moments, inputs.keys, inputs.values, batch)
+            moments = moments.folded(inputs.keys, inputs.values, batch)
         return refined
 
 
@@ -121,32 +117,3 @@ def moment_residuals(
     residual = values - torch.where(empty, torch.zeros_like(predicted), predicted)
     return residual.norm(dim=-1)
 
-
-def fold_moments(
-    moments: EvictedMoments, keys: torch.Tensor, values: torch.Tensor, batch: torch.Tensor
-) -> EvictedMoments:
-    """The statistics with each head's ``batch [H, S]`` tokens added (Chan's
-    merge, A2.4), at the rank ``moments.cross_cov`` has; a new object."""
-    weight = batch.float()[..., None]  # [H, S, 1]
-    keys, values = keys.float(), values.float()
-    n_a = moments.count.float()
-    n_b = batch.sum(-1).float()
-    n = n_a + n_b
-    safe_b = n_b.clamp(min=1.0)[:, None]
-    k_mean_b = (weight * keys).sum(1) / safe_b
-    v_mean_b = (weight * values).sum(1) / safe_b
-    k_c = (keys - k_mean_b[:, None]) * weight
-    v_c = (values - v_mean_b[:, None]) * weight
-    shift = (n_a * n_b / n.clamp(min=1.0))[:, None]
-    dk, dv = k_mean_b - moments.key_mean.float(), v_mean_b - moments.value_mean.float()
-    cov = moments.cross_cov.float()
-    if cov.shape[-1] == 0:
-        new_cov = cov
-    elif cov.dim() == 2:
-        new_cov = cov + (v_c * k_c).sum(1) + shift * dv * dk
-    else:
-        new_cov = cov + torch.einsum("hsv,hsk->hvk", v_c, k_c) + shift[..., None] * dv[:, :, None] * dk[:, None, :]
-    safe = n.clamp(min=1.0)[:, None]
-    key_mean = (n_a[:, None] * moments.key_mean.float() + n_b[:, None] * k_mean_b) / safe
-    value_mean = (n_a[:, None] * moments.value_mean.float() + n_b[:, None] * v_mean_b) / safe
-    return EvictedMoments(n, key_mean, value_mean, new_cov)

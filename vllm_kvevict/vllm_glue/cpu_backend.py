@@ -4,32 +4,26 @@ Registered over ``AttentionBackendEnum.CPU_ATTN`` (the CPU platform ignores
 ``--attention-backend`` but honours overrides). With eviction off every method
 falls through to vLLM's own CPU backend.
 
-With eviction on, each request's live tokens sit in the slots
-``[frontier, seq_len)`` of its block-table row (see ``vllm_kvevict.schedule``):
+With eviction on, the metadata builder turns the scheduler's batch into one
+:class:`EvictionStepPlan` per step (the eviction points each request reaches,
+from :mod:`vllm_kvevict.schedule`), and the Impl runs, per layer:
 
-* attention reads exactly that region: vLLM's C++ kernel through a block table
-  and sequence lengths shifted by the (block-aligned) frontier, or the torch
-  reference (``cpu_attention="torch"``);
-* in the forward pass that reaches an eviction point, after the attention of
-  the tokens before it, each layer scores its live tokens with the policy,
-  keeps the best of every KV head, and compacts them into
-  ``[new_frontier, point)``; the scheduler frees the blocks below the new
-  frontier once the step's output is in;
-* a step whose tokens run past an eviction point (a chunk shared with other
-  requests, a preempted request recomputing its output) evicts at each point
-  in turn and recomputes the attention of the tokens after it over the
-  compacted region. Within one layer that is exact: the layer's queries, keys
-  and values depend only on the layer below, so the request's output is the
-  same as if the scheduler had cut its steps at the points.
+* attention over each request's live tokens: with ``slots`` storage vLLM's
+  C++ kernel through a block table and sequence lengths shifted by the
+  (block-aligned) frontier, or the torch implementation
+  (``cpu_attention="torch"``); with ``head_pages`` our kernel over the
+  per-(layer, KV head) page tables (:mod:`vllm_kvevict.cpu_ops`);
+* at each eviction point, after the attention of the tokens before it, the
+  eviction engine (:mod:`vllm_kvevict.eviction`) on this layer's cache
+  through :class:`~vllm_kvevict.vllm_glue.cpu_head_pages.HeadPagedCache`;
+  the tokens of the step after the point then attend over what it left.
+  Within one layer that is exact: the layer's queries, keys and values depend
+  only on the layer below, so the request's output is the same as if the
+  scheduler had cut its steps at the points. The scheduler frees the blocks
+  below the new frontier once the step's output is in.
 
 New tokens are written by vLLM's own ``do_kv_cache_update`` at their true
 slots, and RoPE positions stay true: only what attention reads changes.
-
-With ``head_pages`` storage (per-head budgets, the MomentKV correction) the
-survivors go to per-(layer, KV head) page tables instead
-(:mod:`cpu_head_pages`) and attention runs our kernel over them
-(:mod:`vllm_kvevict.cpu_ops`); the schedule, and so the blocks the scheduler
-frees, are the same.
 """
 
 from __future__ import annotations
@@ -39,10 +33,9 @@ from dataclasses import dataclass
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
@@ -55,27 +48,20 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
+from vllm_kvevict.eviction.global_pages import compact_global
+from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages
+from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, observation_queries
+from vllm_kvevict.eviction.select import KeepRule
+from vllm_kvevict.eviction.slots import evict_slots
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
-from vllm_kvevict.policies import EvictionPolicy, RotaryFrequencies, ScoringInputs
-from vllm_kvevict.policies.base import EvictedMoments
-from vllm_kvevict.policies.allocation import (
-    HeadAllocation,
-    allocate_head_tokens,
-    select_top,
-    stack_streams,
-)
-from vllm_kvevict.schedule import EvictionSchedule, cdiv
-from vllm_kvevict.triton_kernels.paged_reference import region_attention_reference
-from vllm_kvevict.triton_kernels.evicted_summary import fold_evicted_reference
+from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs
+from vllm_kvevict.schedule import EvictionSchedule
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
-from vllm_kvevict.vllm_glue.cpu_head_pages import (
-    HeadPagedCache,
-    assign_pages,
-    block_head_pages,
-    gather_log_beta,
-)
-from vllm_kvevict.vllm_glue.gate_capture import current_capture
+from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.vllm_glue.gate_capture import current_capture
+from vllm_kvevict.vllm_glue.isolation_check import PoisonFreedBlocks, StepObserver
 from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
 from vllm_kvevict.vllm_glue.runner_hooks import (
     current_batch,
@@ -83,17 +69,16 @@ from vllm_kvevict.vllm_glue.runner_hooks import (
     layer_neighbours,
     on_requests_finished,
 )
-from vllm_kvevict.vllm_glue.spec import (
-    STATS_PATH_ENV,
-    EvictingAttentionSpec,
-    is_plain_full_attention,
-)
+from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
+from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
 from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_cpu_backend_contract()
 
 logger = logging.getLogger(__name__)
+
+Storage = Literal["slots", "head_pages", "global"]
 
 
 # The worker's VllmConfig, remembered when the attention layers are built:
@@ -152,53 +137,22 @@ class KVEvictCPUBackend(CPUAttentionBackend):
         config.check_block_size(spec.block_size)
         return EvictingAttentionSpec.from_full_attention(
             spec,
-            budget=config.budget,
-            interval=config.decode_interval,
+            config.schedule(spec.block_size, vllm_config.scheduler_config.max_num_batched_tokens),
             max_step_tokens=vllm_config.max_in_flight_tokens,
-            prefill_mode=config.prefill_mode,
-            end_of_prompt_max_tokens=config.end_of_prompt_max_tokens,
-            prefill_interval=(
-                config.prefill_interval or vllm_config.scheduler_config.max_num_batched_tokens
-            ),
             metric_labels=tuple(metric_labels(vllm_config, config).items()),
         )
-
-
-@dataclass
-class RequestEviction:
-    """One request that reaches an eviction point in this step."""
-
-    request_id: str
-    batch_index: int
-    state_row: int
-    query_start: int  # index of the request's first token in the batch
-    tokens_before: int  # n_before: tokens processed before this step
-    last_point_before: int  # last eviction point at or below n_before
-    frontier_before: int
-    point: int
-    frontier_after: int
-    segment_end: int  # the step's tokens in [point, segment_end) attend after this eviction
-    segment_metadata: CPUAttentionMetadata | None  # their attention (native slots path)
-    # head_pages storage: whether the frontier moves (the only points that
-    # compact), and the first slot of the standard region when this runs.
-    compacts: bool = False
-    region_start: int = 0
-
-    @property
-    def segment_tokens(self) -> slice:
-        """Batch indices of the tokens that attend after this eviction."""
-        first = self.query_start + self.point - self.tokens_before
-        return slice(first, first + self.segment_end - self.point)
 
 
 @dataclass
 class EvictionStepPlan:
     """Per-step eviction work, built once and shared by every layer."""
 
-    config: EvictionConfig
-    policy: EvictionPolicy
+    rule: KeepRule
+    storage: Storage
+    native: bool  # cpu_attention native (C++ kernels) rather than torch
     schedule: EvictionSchedule
     state: WorkerEvictionState
+    observer: StepObserver
     layer_index: dict[str, int]
     layer_names: list[str]  # by layer index
     kv_head_replicas: int  # ranks holding a copy of each of this rank's KV heads
@@ -208,19 +162,14 @@ class EvictionStepPlan:
     query_start: list[int]
     seq_lens: list[int]
     frontier_before: list[int]
-    evictions: list[RequestEviction]  # per request, in point order
+    evictions: list[EvictionPoint]  # per request, in point order
     ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
     ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
-    unwritten_tail_slots: torch.Tensor | None  # poison mode: slots past seq_len in last blocks
+    state_rows: torch.Tensor  # [num_reqs] each request's state row
+    region_start: torch.Tensor  # [num_reqs] head_pages: standard region start at step start
+    local_kv_heads: torch.Tensor  # this rank's KV heads among the model's
     num_evictions: int = 0  # (request, point) pairs that drop tokens
     eviction_seconds: float = 0.0  # summed over layers as they run
-    # head_pages storage (None with slots storage)
-    allocation: HeadAllocation | None = None
-    state_rows: torch.Tensor | None = None  # [num_reqs] each request's state row
-    region_start: torch.Tensor | None = None  # [num_reqs] standard region start at step start
-    # head_budget global: one ranking over every layer at the end of the step
-    global_eviction: bool = False
-    local_kv_heads: torch.Tensor | None = None  # this rank's KV heads among the model's
 
 
 @dataclass
@@ -243,55 +192,57 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         config = active_config(vllm_config)
         assert config is not None
         self.config = config
-        self.policy = config.build_policy()
-        self.schedule = kv_cache_spec.schedule()
+        self.rule = KeepRule.from_config(config)
+        policy = self.rule.policy
+        self.schedule = kv_cache_spec.schedule
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.page_layout = probe_page_layout(
             self.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype, self.isa
         )
         self.head_paged = config.uses_head_pages
-        self.allocation = config.build_allocation() if self.head_paged else None
-        if self.head_paged and config.cpu_attention == "native":
+        self.native = config.cpu_attention == "native"
+        if self.head_paged and self.native:
             # Build (or load) our kernel now, while the worker starts, rather
             # than stall the first request for the ~30 s compile.
             cpu_ops.load_cpu_ops()
-        max_head_pages = 0
-        retained_capacity = self.schedule.retained_capacity()
         self.global_eviction = config.head_budget == "global"
+        self.storage: Storage = (
+            "global" if self.global_eviction else "head_pages" if self.head_paged else "slots"
+        )
+        max_head_pages = 0
         if self.head_paged:
             # After an eviction a request's compacted tokens fill the blocks
-            # [F, P // bs), fewer than budget // bs + 1 of them; one head may
-            # take every head-page they hold (with global eviction, those of
-            # every layer, but never more than a whole sequence).
-            streams = kv_cache_spec.num_kv_heads
-            if self.global_eviction:
-                streams *= len(layer_names)
-            max_head_pages = streams * (config.budget // self.block_size + 1)
-            if self.global_eviction:
-                max_head_pages = min(
-                    max_head_pages, cdiv(vllm_config.model_config.max_model_len, self.block_size)
-                )
-            retained_capacity = max_head_pages * self.block_size
+            # [F, P // bs); one head may take every head-page they hold (with
+            # global eviction, those of every layer, but never more than a
+            # whole sequence).
+            streams = kv_cache_spec.num_kv_heads * (len(layer_names) if self.global_eviction else 1)
+            max_head_pages = self.schedule.max_head_pages(
+                streams, vllm_config.model_config.max_model_len if self.global_eviction else None
+            )
+        retained_capacity = self.schedule.retained_capacity(max_head_pages)
         self.state = WorkerEvictionState(
             num_layers=len(layer_names),
             num_kv_heads=kv_cache_spec.num_kv_heads,
             num_q_heads=self.num_heads,
             head_dim=kv_cache_spec.head_size,
             retained_capacity=retained_capacity,
-            query_window=config.observation_window if self.policy.needs_queries else 0,
+            query_window=config.observation_window if policy.needs_queries else 0,
             query_dtype=vllm_config.model_config.dtype,
             device=device,
             max_head_pages=max_head_pages,
             moment_correction=config.moment_correction,
             moment_covariance=config.moment_covariance,
         )
-        self.state.poison_freed_blocks = config.poisons_freed_blocks
+        self.observer = (
+            PoisonFreedBlocks(self.block_size, self.state.counters)
+            if config.poisons_freed_blocks else StepObserver()
+        )
         rank, world_size = _tensor_parallel_layout()
         # With more ranks than KV heads vLLM replicates each KV head on
         # consecutive ranks (see _whole_query_group); fixed for the worker's life.
         total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.kv_head_replicas = max(1, world_size // total_kv_heads)
-        if self.policy.needs_output_projection and self.kv_head_replicas > 1:
+        if policy.needs_output_projection and self.kv_head_replicas > 1:
             raise KVEvictionConfigError(
                 f"policy {config.policy!r} reads each query head's output projection, and "
                 f"with tensor parallel size {world_size} above the model's {total_kv_heads} "
@@ -314,10 +265,11 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.state.publish_side_buffers(str(rank))
         stats_path = os.environ.get(STATS_PATH_ENV)
         if stats_path:
-            self.state.stats_path = f"{stats_path}.worker{rank}"
+            self.state.snapshot = SnapshotWriter(f"{stats_path}.worker{rank}")
             self.state.write_snapshot(force=True)
         install_runner_hooks()
         on_requests_finished(self.state.release)
+        on_requests_finished(self.observer.requests_released)
 
     def build(
         self,
@@ -336,10 +288,9 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = cm.seq_lens.cpu().tolist()
         window = self.state.query_window
         frontier_before: list[int] = []
-        evictions: list[RequestEviction] = []
+        evictions: list[EvictionPoint] = []
         ring_tokens: list[torch.Tensor] = []
         ring_slots: list[torch.Tensor] = []
-        tail_slots: list[torch.Tensor] = []
         rows: list[int] = []
         region_starts: list[int] = []
         for i, req_id in enumerate(batch.req_ids):
@@ -359,17 +310,13 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 segment_end = points[k + 1] if k + 1 < len(points) else n_after
                 segment_metadata = None
                 compacts = frontier_after > frontier
-                if (
-                    segment_end > point
-                    and self.config.cpu_attention == "native"
-                    and not self.head_paged
-                ):
+                if segment_end > point and self.storage == "slots" and self.native:
                     segment_metadata = self._segment_metadata(
                         cm, i, query_start[i] + point - n_before, point, segment_end,
                         frontier_after,
                     )
                 evictions.append(
-                    RequestEviction(
+                    EvictionPoint(
                         request_id=req_id,
                         batch_index=i,
                         state_row=row,
@@ -380,9 +327,9 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                         point=point,
                         frontier_after=frontier_after,
                         segment_end=segment_end,
-                        segment_metadata=segment_metadata,
                         compacts=compacts,
                         region_start=region,
+                        backend_data=segment_metadata,
                     )
                 )
                 last_point, frontier = point, frontier_after
@@ -393,21 +340,14 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 record = self.state.last_compaction.setdefault(req_id, {})
                 record["tokens"] = n_after
             self.state.retained_tokens[req_id] = n_after - frontier
-            if self.state.poison_freed_blocks:
-                # What the request holds once this step is done; all of it
-                # goes back to the pool when the request ends or is preempted.
-                self.state.held_blocks[req_id] = cm.block_table_tensor[
-                    i, frontier // bs : cdiv(n_after, bs)
-                ].clone()
-                if n_after % bs:
-                    last_block = int(cm.block_table_tensor[i, n_after // bs])
-                    tail_slots.append(last_block * bs + torch.arange(n_after % bs, bs))
+            self.observer.request_planned(req_id, cm.block_table_tensor[i], frontier, n_after)
             if window:
                 first = max(n_before, n_after - window)
                 positions = torch.arange(first, n_after)
                 ring_tokens.append(query_start[i] + positions - n_before)
                 ring_slots.append(row * window + positions % window)
 
+        self.observer.step_planned()
         # Attention reads [frontier, seq_len): shift each block-table row by the
         # frontier's block and shorten the sequence accordingly.
         frontier = torch.tensor(frontier_before, dtype=cm.seq_lens.dtype)
@@ -422,10 +362,12 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         metadata = super().build(common_prefix_len, shifted, fast_build)
         plan = EvictionStepPlan(
-            config=self.config,
-            policy=self.policy,
+            rule=self.rule,
+            storage=self.storage,
+            native=self.native,
             schedule=schedule,
             state=self.state,
+            observer=self.observer,
             layer_index=self.layer_index,
             layer_names=list(self.layer_index),
             kv_head_replicas=self.kv_head_replicas,
@@ -438,15 +380,11 @@ class KVEvictCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             evictions=evictions,
             ring_tokens=torch.cat(ring_tokens) if ring_tokens else None,
             ring_slots=torch.cat(ring_slots) if ring_slots else None,
-            unwritten_tail_slots=torch.cat(tail_slots) if tail_slots else None,
+            state_rows=torch.tensor(rows, dtype=torch.int64),
+            region_start=torch.tensor(region_starts, dtype=torch.int64),
+            local_kv_heads=self.local_kv_heads,
             num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),
         )
-        if self.head_paged:
-            plan.allocation = self.allocation
-            plan.state_rows = torch.tensor(rows, dtype=torch.int64)
-            plan.region_start = torch.tensor(region_starts, dtype=torch.int64)
-            plan.global_eviction = self.global_eviction
-            plan.local_kv_heads = self.local_kv_heads
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictCPUMetadata(**values, eviction=plan)
 
@@ -523,31 +461,6 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         self._rotary: RotaryFrequencies | None = None
         self._output_projection: torch.Tensor | None = None
 
-    def _scoring_inputs(
-        self,
-        plan: EvictionStepPlan,
-        layer_index: int,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        positions: torch.Tensor,
-        queries: torch.Tensor | None,
-        query_positions: torch.Tensor | None,
-        evicted: EvictedMoments | None = None,
-    ) -> ScoringInputs:
-        """What the policy scores with, plus the model parts it asks for."""
-        policy, name = plan.policy, plan.layer_names[layer_index]
-        if policy.needs_rotary and self._rotary is None:
-            self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
-        if policy.needs_output_projection and self._output_projection is None:
-            self._output_projection = output_projection_slices(
-                layer_neighbours(name), name, self.num_heads, self.head_size
-            )
-        return ScoringInputs(
-            keys, values, positions, queries, query_positions, self.scale, evicted,
-            rotary=self._rotary if policy.needs_rotary else None,
-            output_projection=self._output_projection if policy.needs_output_projection else None,
-        )
-
     def forward(
         self,
         layer: AttentionLayer,
@@ -566,89 +479,174 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale, output_block_scale,
             )
-        key_cache, value_cache = split_kv_cache(kv_cache)
         layer_index = plan.layer_index[layer.layer_name]
-        state = plan.state
-        if state.poison_freed_blocks:
-            state.kv_caches.setdefault(layer_index, kv_cache)
-            if plan.unwritten_tail_slots is not None:
-                # vLLM's kernel reads a request's last block whole and masks
-                # the slots past seq_len; 0 * NaN would still be NaN. A new
-                # block may be a poisoned one, so clear its unwritten tail (as
-                # vLLM zeroes new blocks when stale bytes could decode to NaN).
-                self._clear_slots(layer, plan.unwritten_tail_slots, key, key_cache, value_cache)
-        if plan.global_eviction:
-            self._global_forward(plan, layer, layer_index, query, head_paged_view(kv_cache),
-                                 attn_metadata, output)
-        elif plan.allocation is not None:
-            self._head_paged_forward(plan, layer_index, query, head_paged_view(kv_cache), output)
-        elif plan.config.cpu_attention == "native":
-            super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale, output_block_scale,
+        state, num_tokens = plan.state, plan.query_start[-1]
+        cache = HeadPagedCache(
+            head_paged_view(kv_cache), plan.page_layout,
+            layer.isa,  # type: ignore[attr-defined]
+            layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype,
+        )
+        plan.observer.layer_started(layer_index, kv_cache, cache)
+        if plan.storage == "slots":
+            if plan.native:
+                super().forward(
+                    layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale, output_block_scale,
+                )
+            else:
+                for i, seq_len in enumerate(plan.seq_lens):
+                    tokens = slice(plan.query_start[i], plan.query_start[i + 1])
+                    self._region_attention(plan, cache, i, tokens, plan.frontier_before[i], seq_len, query, output)
+        elif plan.storage == "head_pages":
+            self._head_paged_attention(
+                plan, layer_index, query[:num_tokens], cache.kv_cache, output[:num_tokens],
+                plan.query_start, plan.seq_lens, slice(None), plan.region_start,
             )
         else:
-            self._torch_attention(plan, query, key_cache, value_cache, output)
-        if plan.allocation is None:
-            started = time.perf_counter()
-            for eviction in plan.evictions:
-                self._evict(plan, layer, layer_index, eviction, query, key_cache, value_cache)
-                if eviction.segment_end > eviction.point:
-                    self._attend_segment(
-                        plan, layer, eviction, query, key, value, kv_cache, key_cache,
-                        value_cache, output,
-                    )
-            plan.eviction_seconds += time.perf_counter() - started
-        if state.poison_freed_blocks:
-            # Isolation check: a read of a poisoned block or page shows up here.
-            out = output[: plan.query_start[-1]].reshape(plan.query_start[-1], -1)
-            state.counters.nan_outputs += int(torch.isnan(out).any(dim=-1).sum())
+            self._global_forward(plan, layer, layer_index, query, cache.kv_cache, attn_metadata, output)
+        started = time.perf_counter()
+        for ev in plan.evictions:
+            if plan.storage == "slots":
+                counts = evict_slots(
+                    cache, plan.rule, ev, state.positions[layer_index, ev.state_row],
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                    layer_index, plan.observer,
+                )
+                if counts is not None:
+                    state.observe_head_retained(counts)
+            elif plan.storage == "head_pages" and ev.compacts:
+                counts = compact_head_pages(
+                    cache, plan.rule, ev, state.stream_rows(layer_index, ev.state_row),
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                    layer_index, plan.observer,
+                )
+                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+            else:
+                continue  # global: the step's end ranks every layer; nothing moves here
+            if ev.segment_end > ev.point:
+                self._attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
+        if plan.storage == "global" and layer_index == state.num_layers - 1:
+            self._compact_global(plan)
+        plan.eviction_seconds += time.perf_counter() - started
+        plan.observer.layer_finished(output[:num_tokens])
         if layer_index == len(plan.layer_index) - 1:
             state.end_step(plan.num_evictions, plan.eviction_seconds)
         if plan.ring_tokens is not None:
-            ring = plan.state.query_ring[layer_index]
+            ring = state.query_ring[layer_index]
             ring.view(-1, *ring.shape[2:]).index_copy_(
                 0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
             )
         return output
 
-    def _head_paged_forward(
+    def _scoring_inputs(
+        self, plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
+    ) -> ScoringInputsFor:
+        """What the policy scores with at ``ev``: the observation queries and
+        the model parts it asks for, around the tokens the engine gathers."""
+        policy, name = plan.rule.policy, plan.layer_names[layer_index]
+        queries = query_positions = None
+        if policy.needs_queries:
+            ring = plan.state.query_ring[layer_index, ev.state_row]
+            queries, query_positions = observation_queries(ring, query, ev)
+            if plan.kv_head_replicas > 1:
+                queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
+        if policy.needs_rotary and self._rotary is None:
+            self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
+        if policy.needs_output_projection and self._output_projection is None:
+            self._output_projection = output_projection_slices(
+                layer_neighbours(name), name, self.num_heads, self.head_size
+            )
+        rotary = self._rotary if policy.needs_rotary else None
+        projection = self._output_projection if policy.needs_output_projection else None
+
+        def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:
+            return ScoringInputs(
+                keys, values, positions, queries, query_positions, self.scale, evicted,
+                rotary=rotary, output_projection=projection,
+            )
+
+        return inputs
+
+    def _attend_segment(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        layer_index: int,
+        ev: EvictionPoint,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cache: HeadPagedCache,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of the tokens after ``ev.point`` over the region it left."""
+        tokens = ev.segment_tokens
+        if plan.storage == "head_pages":
+            self._head_paged_attention(
+                plan, layer_index, query[tokens], cache.kv_cache, output[tokens],
+                [0, tokens.stop - tokens.start], [ev.segment_end],
+                slice(ev.batch_index, ev.batch_index + 1), torch.tensor([ev.point], dtype=torch.int64),
+            )
+        elif plan.native:
+            CPUAttentionBackendImpl.forward(
+                self, layer, query[tokens], key[tokens], value[tokens], kv_cache,
+                ev.backend_data, output[tokens],
+            )
+        else:
+            self._region_attention(
+                plan, cache, ev.batch_index, tokens, ev.frontier_after, ev.segment_end, query, output
+            )
+
+    def _region_attention(
+        self,
+        plan: EvictionStepPlan,
+        cache: HeadPagedCache,
+        batch_index: int,
+        tokens: slice,
+        region_start: int,
+        region_end: int,
+        query: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Torch attention: ``tokens`` (the last of the region) over slots ``[start, end)``."""
+        keys, values = cache.read_slots(plan.block_table[batch_index], region_start, region_end)
+        output[tokens] = cpu_ops.region_attention(
+            query[tokens], keys, values, region_start, self.scale
+        ).to(output.dtype)
+
+    def _head_paged_attention(
         self,
         plan: EvictionStepPlan,
         layer_index: int,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         output: torch.Tensor,
+        query_start: list[int],
+        seq_lens: list[int],
+        requests: slice,
+        region_start: torch.Tensor,
+        block_offset: int = 0,
     ) -> None:
-        """head_pages storage: attention of the whole batch, then each eviction
-        point in order, each followed by the attention of the tokens after it."""
-        assert plan.state_rows is not None and plan.region_start is not None
-        num_reqs = len(plan.seq_lens)
-        tokens = slice(0, plan.query_start[-1])
-        self._head_paged_attention(
-            plan, layer_index, query[tokens], kv_cache, output[tokens],
-            torch.tensor(plan.query_start, dtype=torch.int32),
-            torch.tensor(plan.seq_lens, dtype=torch.int32),
-            plan.state_rows, plan.block_table[:num_reqs], plan.region_start,
+        """Our kernel over the page tables of the batch's ``requests``."""
+        state = plan.state
+        rows = plan.state_rows[requests]
+        moments = state.summaries[layer_index] if state.summaries else None
+        batch = HeadPagedBatch(
+            head_page_table=state.head_pages[layer_index].index_select(0, rows),
+            head_lens=state.head_lens[layer_index].index_select(0, rows),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
+            region_start=region_start.to(torch.int32),
+            moments=moments,
+            moment_rows=rows.to(torch.int32) if moments is not None else None,
         )
-        started = time.perf_counter()
-        cache = HeadPagedCache(kv_cache, plan.page_layout)
-        for ev in plan.evictions:
-            if not ev.compacts:
-                continue  # nothing moves: the standard region just grows
-            self._compact(plan, layer_index, ev, query, cache)
-            if ev.segment_end > ev.point:
-                segment = ev.segment_tokens
-                count = segment.stop - segment.start
-                self._head_paged_attention(
-                    plan, layer_index, query[segment], kv_cache, output[segment],
-                    torch.tensor([0, count], dtype=torch.int32),
-                    torch.tensor([ev.segment_end], dtype=torch.int32),
-                    plan.state_rows[ev.batch_index : ev.batch_index + 1],
-                    plan.block_table[ev.batch_index : ev.batch_index + 1],
-                    torch.tensor([ev.point], dtype=torch.int64),
-                )
-        plan.eviction_seconds += time.perf_counter() - started
+        out, _ = cpu_ops.head_paged_attention(
+            query, kv_cache, plan.page_layout.key_index, plan.page_layout.value_index,
+            batch, self.scale, native=plan.native,
+        )
+        output.copy_(out.view(output.shape).to(output.dtype))
 
     def _global_forward(
         self,
@@ -660,407 +658,50 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         attn_metadata: CPUAttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        """head_budget global: store this step's log β, attend over the layer's
-        page tables (pages of any layer), and after the last layer rank every
-        layer's tokens together (spec §5.3: compress between forward passes).
+        """head_budget global: store this step's log β and attend over the
+        layer's page tables (pages of any layer). The ranking of every layer
+        together runs after the last layer (DBTrimKV compresses between
+        forward passes).
 
         Eviction points inside the step are applied at its end, at the last
         one: tokens of the step after a point attend to the uncompacted cache,
         which the request holds during the step anyway. The blocks freed are
         the schedule's, so the scheduler's accounting is unchanged.
         """
-        assert plan.state_rows is not None and plan.region_start is not None
         state, bs = plan.state, plan.schedule.block_size
         whole, offset = state.global_kv(layer_index, kv_cache)
-        num_tokens, num_reqs = plan.query_start[-1], len(plan.seq_lens)
-        if plan.policy.needs_log_beta:
+        num_tokens = plan.query_start[-1]
+        if plan.rule.policy.needs_log_beta:
             capture = current_capture()
             if capture is None:
                 raise RuntimeError("policy 'learned' is serving, but no retention gates were loaded")
-            assert plan.local_kv_heads is not None
             log_beta = capture.take(layer.layer_name, num_tokens)[:, plan.local_kv_heads]
             slots = attn_metadata.slot_mapping[:num_tokens].long()
             pages = block_head_pages(offset + slots // bs, kv_cache.shape[1]).view(num_tokens, -1)
             state.log_beta_pages[pages.long(), (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
-        tokens = slice(0, num_tokens)
+            if layer_index == state.num_layers - 1:
+                capture.pending.clear()  # what vLLM's dummy runs left behind
         self._head_paged_attention(
-            plan, layer_index, query[tokens], whole, output[tokens],
-            torch.tensor(plan.query_start, dtype=torch.int32),
-            torch.tensor(plan.seq_lens, dtype=torch.int32),
-            plan.state_rows, plan.block_table[:num_reqs] + offset, plan.region_start,
+            plan, layer_index, query[:num_tokens], whole, output[:num_tokens],
+            plan.query_start, plan.seq_lens, slice(None), plan.region_start, offset,
         )
-        if layer_index != state.num_layers - 1:
-            return
-        if plan.policy.needs_log_beta:
-            capture.pending.clear()  # what vLLM's dummy runs left behind
-        started = time.perf_counter()
-        last: dict[int, RequestEviction] = {}
-        for ev in plan.evictions:
-            if ev.compacts:
-                last[ev.batch_index] = ev
-        for ev in last.values():
-            self._compact_global(plan, ev)
-        plan.eviction_seconds += time.perf_counter() - started
 
-    def _compact_global(self, plan: EvictionStepPlan, ev: RequestEviction) -> None:
-        """Keep the best tokens below ``ev.point`` over every (layer, KV head)
-        of the request, in the head-pages of every layer's blocks
-        ``[frontier_after, point // bs)``."""
-        assert plan.allocation is not None and plan.region_start is not None
-        config, state, bs = plan.config, plan.state, plan.schedule.block_size
-        assert state.global_cache is not None
-        row, i = ev.state_row, ev.batch_index
-        region_start = int(plan.region_start[i])
-        frontier_before = plan.frontier_before[i]
-        cache = HeadPagedCache(state.global_cache, plan.page_layout)
-        num_layers, num_heads = state.num_layers, cache.num_heads
-        block_row = plan.block_table[i]
-        # Gather every layer first: a stream's new pages may be another
-        # layer's old ones.
-        gathered, scores = [], []
-        for layer_index in range(num_layers):
-            offset = state.layer_block_offset[layer_index]
-            pages = state.head_pages[layer_index, row]
-            lens = state.head_lens[layer_index, row]
-            tokens = cache.gather_live(
-                pages, lens, state.positions[layer_index, row], block_row + offset,
-                region_start, ev.point,
-            )
-            log_beta = gather_log_beta(
-                state.log_beta_pages, pages, lens, block_row + offset, region_start, ev.point
-            )
-            inputs = ScoringInputs(
-                tokens.keys, tokens.values, tokens.positions, None, None, self.scale,
-                log_beta=log_beta, step=ev.point,
-            )
-            scores.append(plan.policy.masked_scores(
-                inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
-            ))
-            gathered.append((tokens, log_beta))
-        stacked = stack_streams(scores)
-        kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
-        free_pages = torch.cat([
-            block_head_pages(kept_blocks + state.layer_block_offset[layer_index], num_heads)
-            for layer_index in range(num_layers)
-        ])
-        counts = allocate_head_tokens(plan.allocation, stacked, free_pages.numel(), bs)
-        kept = select_top(stacked, counts)
-        counts_list = counts.tolist()
-        new_pages = assign_pages(free_pages, counts_list, bs)
-        record = state.last_compaction.setdefault(ev.request_id, {})
-        record.update(point=ev.point, frontier=ev.frontier_after, head_lens=[])
-        for layer_index, (tokens, log_beta) in enumerate(gathered):
-            pages = state.head_pages[layer_index, row]
-            positions = state.positions[layer_index, row]
-            layer_counts = counts_list[layer_index * num_heads : (layer_index + 1) * num_heads]
-            for h, count in enumerate(layer_counts):
-                stream = layer_index * num_heads + h
-                index = kept[stream, :count]
-                stream_pages = new_pages[stream]
-                cache.write_compacted(stream_pages, tokens.keys[h, index], tokens.values[h, index])
-                if count:
-                    page_rows = state.log_beta_pages[stream_pages.long()]
-                    page_rows.view(-1)[:count] = log_beta[h, index]
-                    state.log_beta_pages[stream_pages.long()] = page_rows
-                pages[h, : stream_pages.numel()] = stream_pages
-                positions[h, :count] = tokens.positions[h, index]
-            state.head_lens[layer_index, row] = torch.tensor(layer_counts, dtype=state.head_lens.dtype)
-            state.observe_head_retained(layer_counts)
-            record["head_lens"].append(layer_counts)
-        if state.poison_freed_blocks:
-            used = sum(p.numel() for p in new_pages)
-            cache.poison_pages(free_pages[used:])
-            if ev.point % bs:
-                block = int(block_row[ev.point // bs])
-                for offset in state.layer_block_offset.values():
-                    cache.poison_standard_prefix(block + offset, ev.point % bs)
-            # The scheduler returns these to the pool once this step is done.
-            state.poison(block_row[frontier_before // bs : ev.frontier_after // bs])
-
-    def _head_paged_attention(
-        self,
-        plan: EvictionStepPlan,
-        layer_index: int,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        output: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        rows: torch.Tensor,
-        block_table: torch.Tensor,
-        region_start: torch.Tensor,
-    ) -> None:
+    def _compact_global(self, plan: EvictionStepPlan) -> None:
+        """Each request's last compacting point of the step, over every layer."""
         state = plan.state
-        summary = state.summaries[layer_index] if state.summaries else None
-        out, _ = cpu_ops.head_paged_attention(
-            query,
-            kv_cache,
-            query_start_loc,
-            seq_lens,
-            state.head_pages[layer_index].index_select(0, rows),
-            state.head_lens[layer_index].index_select(0, rows),
-            block_table.to(torch.int32),
-            region_start.to(torch.int32),
-            plan.page_layout.key_index,
-            plan.page_layout.value_index,
-            self.scale,
-            summary=summary,
-            summary_rows=rows.to(torch.int32) if summary is not None else None,
-            native=plan.config.cpu_attention == "native",
-        )
-        output.copy_(out.view(output.shape).to(output.dtype))
-
-    def _compact(
-        self,
-        plan: EvictionStepPlan,
-        layer_index: int,
-        ev: RequestEviction,
-        query: torch.Tensor,
-        cache: HeadPagedCache,
-    ) -> None:
-        """head_pages storage: keep the policy's choice of every live token below
-        ``ev.point``, split across heads by the allocation, in the head-pages of
-        the blocks ``[frontier_after, point // bs)``; fold the rest into the
-        MomentKV summary."""
-        assert plan.allocation is not None
-        config, state, bs = plan.config, plan.state, plan.schedule.block_size
-        row = ev.state_row
-        pages = state.head_pages[layer_index, row]
-        lens = state.head_lens[layer_index, row]
-        positions = state.positions[layer_index, row]
-        block_row = plan.block_table[ev.batch_index]
-        tokens = cache.gather_live(
-            pages, lens, positions, block_row, ev.region_start, ev.point
-        )
-        queries = query_positions = None
-        if plan.policy.needs_queries:
-            queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
-        summary = state.summaries[layer_index] if state.summaries else None
-        moments = None
-        if summary is not None:
-            moments = EvictedMoments(
-                summary.count[row], summary.key_mean[row], summary.value_mean[row],
-                summary.cross_cov[row],
+        assert state.global_cache is not None
+        cache = HeadPagedCache(state.global_cache, plan.page_layout)
+        last: dict[int, EvictionPoint] = {ev.batch_index: ev for ev in plan.evictions if ev.compacts}
+        for i, ev in last.items():
+            per_layer = compact_global(
+                cache, plan.rule, ev,
+                [state.stream_rows(layer_index, ev.state_row) for layer_index in range(state.num_layers)],
+                [state.layer_block_offset[layer_index] for layer_index in range(state.num_layers)],
+                state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
+                plan.frontier_before[i], self.scale, plan.observer,
             )
-        inputs = self._scoring_inputs(
-            plan, layer_index, tokens.keys, tokens.values, tokens.positions, queries,
-            query_positions, moments,
-        )
-        scores = plan.policy.masked_scores(
-            inputs, config.sink_tokens, config.recent_window, ev.point, tokens.live
-        )
-        kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]
-        free_pages = block_head_pages(kept_blocks, cache.num_heads)
-        total_pages = free_pages.numel()
-        counts = allocate_head_tokens(plan.allocation, scores, total_pages, bs)
-        kept = select_top(plan.policy.refine_scores(inputs, scores, counts), counts)
-        counts_list = counts.tolist()
-        new_pages = assign_pages(free_pages, counts_list, bs)
-        for h, count in enumerate(counts_list):
-            index = kept[h, :count]
-            if summary is not None:
-                evicted = tokens.live[h].clone()
-                evicted[index] = False
-                fold_evicted_reference(
-                    summary, row, h, tokens.keys[h, evicted], tokens.values[h, evicted]
-                )
-            cache.write_compacted(new_pages[h], tokens.keys[h, index], tokens.values[h, index])
-            pages[h, : new_pages[h].numel()] = new_pages[h]
-            positions[h, :count] = tokens.positions[h, index]
-        lens.copy_(counts.to(lens.dtype))
-        state.observe_head_retained(counts_list)
-        record = state.last_compaction.setdefault(ev.request_id, {})
-        if record.get("point") != ev.point:
-            record.update(
-                point=ev.point,
-                frontier=ev.frontier_after,
-                head_lens=[[] for _ in range(state.num_layers)],
-            )
-        record["head_lens"][layer_index] = counts_list
-        if state.poison_freed_blocks:
-            used = sum(p.numel() for p in new_pages)
-            cache.poison_pages(free_pages[used:])
-            if ev.point % bs:
-                cache.poison_standard_prefix(int(block_row[ev.point // bs]), ev.point % bs)
-            # The scheduler returns these to the pool once this step is done.
-            state.poison(
-                block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer_index
-            )
-
-    def _torch_attention(
-        self,
-        plan: EvictionStepPlan,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        output: torch.Tensor,
-    ) -> None:
-        for i, seq_len in enumerate(plan.seq_lens):
-            tokens = slice(plan.query_start[i], plan.query_start[i + 1])
-            self._region_attention(
-                plan, i, tokens, plan.frontier_before[i], seq_len, query, key_cache,
-                value_cache, output,
-            )
-
-    def _region_attention(
-        self,
-        plan: EvictionStepPlan,
-        batch_index: int,
-        tokens: slice,
-        region_start: int,
-        region_end: int,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        output: torch.Tensor,
-    ) -> None:
-        """Torch reference: ``tokens`` (the last of the region) over slots ``[start, end)``."""
-        bs = plan.schedule.block_size
-        block_ids = plan.block_table[batch_index, region_start // bs : cdiv(region_end, bs)]
-        length = region_end - region_start
-        keys = plan.page_layout.read_pages(key_cache, block_ids, is_key=True)[:, :length]
-        values = plan.page_layout.read_pages(value_cache, block_ids, is_key=False)[:, :length]
-        output[tokens] = region_attention_reference(
-            query[tokens], keys, values, region_start, self.scale
-        ).to(output.dtype)
-
-    def _clear_slots(
-        self,
-        layer: AttentionLayer,
-        slots: torch.Tensor,
-        like: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-    ) -> None:
-        zeros = like.new_zeros((slots.numel(), *like.shape[1:]))
-        ops.cpu_attn_reshape_and_cache(
-            zeros, zeros, key_cache, value_cache, slots.long(),
-            layer.isa,  # type: ignore[attr-defined]
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-
-    def _attend_segment(
-        self,
-        plan: EvictionStepPlan,
-        layer: AttentionLayer,
-        ev: RequestEviction,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        output: torch.Tensor,
-    ) -> None:
-        """Attention of the tokens after ``ev.point`` over the region it left."""
-        tokens = ev.segment_tokens
-        if plan.config.cpu_attention == "native":
-            assert ev.segment_metadata is not None
-            CPUAttentionBackendImpl.forward(
-                self,
-                layer, query[tokens], key[tokens], value[tokens], kv_cache,
-                ev.segment_metadata, output[tokens],
-            )
-            return
-        self._region_attention(
-            plan, ev.batch_index, tokens, ev.frontier_after, ev.segment_end, query, key_cache,
-            value_cache, output,
-        )
-
-    def _evict(
-        self,
-        plan: EvictionStepPlan,
-        layer: AttentionLayer,
-        layer_index: int,
-        ev: RequestEviction,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-    ) -> None:
-        """Keep the policy's choice of the live tokens below ``ev.point``."""
-        config, state, bs = plan.config, plan.state, plan.schedule.block_size
-        positions_row = state.positions[layer_index, ev.state_row]  # [H, capacity]
-        num_compacted = ev.last_point_before - ev.frontier_before
-        num_live = ev.point - ev.frontier_before
-        new_positions = torch.arange(ev.last_point_before, ev.point, device=positions_row.device)
-        if ev.frontier_after == ev.frontier_before:
-            # The frontier stays in its block: every live token is kept where
-            # it is; only record where the new ones came from.
-            positions_row[:, num_compacted:num_live] = new_positions
-            return
-        block_row = plan.block_table[ev.batch_index]
-        old_blocks = block_row[ev.frontier_before // bs : cdiv(ev.point, bs)]
-        keys = plan.page_layout.read_pages(key_cache, old_blocks, is_key=True)[:, :num_live]
-        values = plan.page_layout.read_pages(value_cache, old_blocks, is_key=False)[:, :num_live]
-        num_heads = keys.shape[0]
-        positions = torch.cat(
-            [positions_row[:, :num_compacted], new_positions.expand(num_heads, -1)], dim=1
-        )
-        queries = query_positions = None
-        if plan.policy.needs_queries:
-            queries, query_positions = self._observation_queries(plan, layer_index, ev, query)
-        num_keep = ev.point - ev.frontier_after
-        kept = plan.policy.select(
-            self._scoring_inputs(
-                plan, layer_index, keys, values, positions, queries, query_positions
-            ),
-            num_keep,
-            config.sink_tokens,
-            config.recent_window,
-            ev.point,
-        )
-        gather_index = kept.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-        # Write the survivors to slots [frontier_after, point) through vLLM's
-        # own cache-write op, so they land in the kernel's page order.
-        slots = torch.arange(ev.frontier_after, ev.point)
-        slot_mapping = block_row[slots // bs].long() * bs + slots % bs
-        ops.cpu_attn_reshape_and_cache(
-            keys.gather(1, gather_index).transpose(0, 1).contiguous(),
-            values.gather(1, gather_index).transpose(0, 1).contiguous(),
-            key_cache,
-            value_cache,
-            slot_mapping,
-            layer.isa,  # type: ignore[attr-defined]
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        positions_row[:, :num_keep] = positions.gather(1, kept)
-        state.observe_head_retained([num_keep] * num_heads)
-        if state.poison_freed_blocks:
-            # The scheduler returns these to the pool once this step is done.
-            state.poison(
-                block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer_index
-            )
-
-    def _observation_queries(
-        self,
-        plan: EvictionStepPlan,
-        layer_index: int,
-        ev: RequestEviction,
-        query: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queries of positions ``[point - W, point)``, ``[Hq, W, D]``.
-
-        Positions processed in this step come from its query tensor; earlier
-        ones from the ring, which this layer has not updated yet this step.
-        """
-        window = plan.state.query_window
-        positions = torch.arange(max(0, ev.point - window), ev.point)
-        from_ring = positions < ev.tokens_before
-        ring = plan.state.query_ring[layer_index, ev.state_row]  # [W, Hq, D]
-        gathered = torch.empty(
-            (positions.numel(), query.shape[1], query.shape[2]), dtype=query.dtype
-        )
-        gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
-        fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
-        gathered[~from_ring] = query[fresh]
-        queries = gathered.transpose(0, 1)
-        if plan.kv_head_replicas > 1:
-            queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
-        return queries, positions
+            for layer_index, counts in enumerate(per_layer):
+                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
 
 
 def _whole_query_group(

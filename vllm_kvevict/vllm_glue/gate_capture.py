@@ -22,7 +22,7 @@ import torch
 
 from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
 from vllm_kvevict.policies.gate_checkpoints import GateCheckpointError, gates_for_model
-from vllm_kvevict.policies.retention_gate import RetentionGates
+from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy, RetentionGates
 
 # Decoder layers whose attention module is called as
 # ``self_attn(positions=..., hidden_states=input_layernorm(x))``, the gate's input.
@@ -98,7 +98,8 @@ def install_gate_capture(model: torch.nn.Module, vllm_config: Any) -> GateCaptur
     """Load the gates and hook the model, when the eviction policy is learned."""
     global _capture
     config = config_from_additional(vllm_config.additional_config)
-    if config is None or not config.build_policy().needs_log_beta:
+    policy = config.build_policy() if config is not None else None
+    if not isinstance(policy, LearnedRetentionPolicy):
         return None
     if getattr(model, "_kvevict_gates_hooked", False):
         return _capture
@@ -112,7 +113,7 @@ def install_gate_capture(model: torch.nn.Module, vllm_config: Any) -> GateCaptur
     modules = decoder_attention_modules(model)
     try:
         gates = gates_for_model(
-            config.policy_options.get("gates"), hf.hidden_size, hf.num_hidden_layers,
+            policy.gates, hf.hidden_size, hf.num_hidden_layers,
             model_config.get_total_num_kv_heads(), str(model_config.model),
         )
     except GateCheckpointError as exc:

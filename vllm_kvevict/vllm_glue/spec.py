@@ -11,12 +11,8 @@ admission to the budget instead of the full sequence.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import threading
-import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,25 +22,32 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
+from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-STATS_PATH_ENV = "KVEVICT_STATS_PATH"
-
 
 @dataclass(frozen=True, kw_only=True)
 class EvictingAttentionSpec(FullAttentionSpec):
-    """A full-attention layer whose requests keep at most a budget of tokens."""
+    """A full-attention layer whose requests keep at most a budget of tokens.
 
-    evict_budget: int
-    evict_interval: int
-    evict_max_step_tokens: int
-    evict_prefill_mode: str = "per_chunk"
-    evict_end_of_prompt_max_tokens: int = 0
-    evict_prefill_interval: int = 512
-    # Prometheus labels (model_name, engine, policy) for the engine core's series.
-    evict_metric_labels: tuple[tuple[str, str], ...] = ()
+    It pickles from the worker to the engine core and compares by value, like
+    every vLLM spec. The schedule's block size is the spec's: vLLM rebuilds
+    specs with another block size (``dataclasses.replace``), and the schedule
+    follows.
+    """
+
+    schedule: EvictionSchedule
+    max_step_tokens: int
+    """Most tokens one request processes in a step (vLLM's in-flight limit)."""
+    metric_labels: tuple[tuple[str, str], ...] = ()
+    """Prometheus labels (model_name, engine, policy) of the engine core's series."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.schedule.block_size != self.block_size:
+            object.__setattr__(self, "schedule", replace(self.schedule, block_size=self.block_size))
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -52,16 +55,9 @@ class EvictingAttentionSpec(FullAttentionSpec):
         # any prefix hash, so they must never be shared or looked up.
         return False
 
-    def schedule(self) -> EvictionSchedule:
-        return EvictionSchedule(
-            self.evict_budget, self.evict_interval, self.block_size,
-            self.evict_prefill_mode,  # type: ignore[arg-type]
-            self.evict_end_of_prompt_max_tokens, self.evict_prefill_interval,
-        )
-
     def max_blocks_per_request(self, max_model_len: int) -> int:
         full = cdiv(max_model_len, self.block_size)
-        bound = self.schedule().max_blocks_per_request(self.evict_max_step_tokens)
+        bound = self.schedule.max_blocks_per_request(self.max_step_tokens)
         return full if bound is None else min(full, bound)
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
@@ -74,11 +70,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
     def merge(cls, specs: list[EvictingAttentionSpec]) -> EvictingAttentionSpec:  # type: ignore[override]
         # FullAttentionSpec.merge rebuilds the base class from its own fields
         # and would silently drop ours (and with them, eviction).
-        extra = {
-            (s.evict_budget, s.evict_interval, s.evict_max_step_tokens, s.evict_prefill_mode,
-             s.evict_end_of_prompt_max_tokens, s.evict_prefill_interval, s.evict_metric_labels)
-            for s in specs
-        }
+        extra = {(s.schedule, s.max_step_tokens, s.metric_labels) for s in specs}
         if len(extra) != 1:
             raise ValueError(f"layers of one KV cache group disagree on eviction: {extra}")
         base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
@@ -88,24 +80,16 @@ class EvictingAttentionSpec(FullAttentionSpec):
     def from_full_attention(
         cls,
         spec: FullAttentionSpec,
-        budget: int,
-        interval: int,
+        schedule: EvictionSchedule,
         max_step_tokens: int,
-        prefill_mode: str,
-        end_of_prompt_max_tokens: int = 0,
-        prefill_interval: int = 512,
         metric_labels: tuple[tuple[str, str], ...] = (),
     ) -> EvictingAttentionSpec:
         values = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
             **values,
-            evict_budget=budget,
-            evict_interval=interval,
-            evict_max_step_tokens=max_step_tokens,
-            evict_prefill_mode=prefill_mode,
-            evict_end_of_prompt_max_tokens=end_of_prompt_max_tokens,
-            evict_prefill_interval=prefill_interval,
-            evict_metric_labels=metric_labels,
+            schedule=schedule,
+            max_step_tokens=max_step_tokens,
+            metric_labels=metric_labels,
         )
 
 
@@ -156,25 +140,23 @@ class EvictionManager(FullAttentionManager):
     """Frees, per request, every block below the eviction frontier."""
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs: Any) -> None:
-        self.schedule = kv_cache_spec.schedule()
+        self.schedule = kv_cache_spec.schedule
         # vLLM passes an admission cap only to sliding-window-like specs; a
         # request of ours never holds more than this, so admit it on that basis
         # (None in end_of_prompt mode: the whole prompt is held once).
         kwargs["max_admission_blocks_per_request"] = self.schedule.max_blocks_per_request(
-            kv_cache_spec.evict_max_step_tokens
+            kv_cache_spec.max_step_tokens
         )
         super().__init__(kv_cache_spec, **kwargs)
         self.stats = ManagerStats()
-        labels = dict(kv_cache_spec.evict_metric_labels) or {
+        labels = dict(kv_cache_spec.metric_labels) or {
             "model_name": "", "engine": "0", "policy": ""
         }
         self.metrics = ProcessMetrics(f"engine{labels['engine']}", ENGINE_METRICS, labels)
         # Sums over admitted requests, kept incrementally (updated every step).
         self._logical_tokens = 0
         self._retained_tokens = 0
-        self._stats_path = os.environ.get(STATS_PATH_ENV)
-        self._last_write = 0.0
-        self._lock = threading.Lock()
+        self.snapshot = SnapshotWriter(os.environ.get(STATS_PATH_ENV))
         self._write_snapshot(force=True)
 
     def remove_skipped_blocks(
@@ -262,23 +244,14 @@ class EvictionManager(FullAttentionManager):
 
     def _write_snapshot(self, force: bool) -> None:
         """Publish the counters for tests and tools (``KVEVICT_STATS_PATH``)."""
-        if not self._stats_path:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_write < 0.05:
-            return
-        self._last_write = now
+        self.snapshot.write(self._snapshot, force)
+
+    def _snapshot(self) -> dict[str, Any]:
         data = self.stats.as_dict()
         data["num_blocks"] = self.block_pool.num_gpu_blocks
         data["free_blocks"] = self.block_pool.get_num_free_blocks()
         data["max_admission_blocks_per_request"] = self.max_admission_blocks_per_request
-        data["pid"] = os.getpid()
-        directory = os.path.dirname(os.path.abspath(self._stats_path))
-        with self._lock:
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvevict-stats")
-            with os.fdopen(fd, "w") as handle:
-                json.dump(data, handle)
-            os.replace(tmp, self._stats_path)
+        return data
 
 
 def register_spec() -> None:
@@ -294,9 +267,8 @@ def register_spec() -> None:
         num_kv_heads=1,
         head_size=32,
         dtype=torch.float32,
-        evict_budget=32,
-        evict_interval=1,
-        evict_max_step_tokens=32,
+        schedule=EvictionSchedule(budget=32, decode_interval=1, block_size=32),
+        max_step_tokens=32,
     )
     manager = KVCacheSpecRegistry.get_manager_class(probe)
     if manager is not EvictionManager:

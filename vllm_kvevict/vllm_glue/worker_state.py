@@ -20,24 +20,21 @@ rows, H]`` compacted tokens), the first slot of its standard region (the last
 point at which it compacted) and, with the MomentKV correction, the summary
 of every token each head has evicted. These are reset when a row is assigned.
 
-The state also remembers which blocks each request holds after its last step,
-for the isolation debug mode (``poison_freed_blocks``): every block the
-scheduler is about to return to the pool is filled with NaN, so a read of a
-block the request no longer owns shows up as NaN in an output.
+The counters (rows, side-buffer bytes, and the isolation check's poisoned
+blocks and NaN outputs) are published for tests and tools through a
+:class:`~vllm_kvevict.vllm_glue.snapshot.SnapshotWriter`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.eviction.moments import Covariance, EvictedMoments
+from vllm_kvevict.eviction.point import StreamRows
 from vllm_kvevict.metrics import ProcessMetrics
-from vllm_kvevict.triton_kernels.evicted_summary import Covariance, EvictedSummary
+from vllm_kvevict.vllm_glue.snapshot import SnapshotWriter
 
 
 @dataclass
@@ -81,7 +78,7 @@ class WorkerEvictionState:
         self.head_pages = torch.empty(0, dtype=torch.int32)
         self.head_lens = torch.empty(0, dtype=torch.int32)
         self.region_start = torch.empty(0, dtype=torch.int64)
-        self.summaries: list[EvictedSummary] = []
+        self.summaries: list[EvictedMoments] = []
         # Global eviction (head_budget global): every layer's cache seen as one
         # pool of blocks, so a head's page table may name pages of any layer,
         # and the log β of every cached token, one fp32 per head-page slot.
@@ -97,11 +94,6 @@ class WorkerEvictionState:
         self.num_rows = 0
         self.positions = torch.empty(0)
         self.query_ring = torch.empty(0)
-        # Isolation debug mode: blocks each request holds after its last step,
-        # and the KV cache of every layer (seen by the first forward).
-        self.poison_freed_blocks = False
-        self.held_blocks: dict[str, torch.Tensor] = {}
-        self.kv_caches: dict[int, torch.Tensor] = {}
         self.counters = WorkerCounters()
         # Prometheus series (set by the metadata builder) and the tokens each
         # running request keeps per head (n - frontier) after its last step.
@@ -109,8 +101,7 @@ class WorkerEvictionState:
         self.counts_evictions = False
         self.retained_tokens: dict[str, int] = {}
         self._rank_label = "0"
-        self.stats_path: str | None = None
-        self._last_write = 0.0
+        self.snapshot = SnapshotWriter(None)
         self._grow(8)
 
     def _grow(self, num_rows: int) -> None:
@@ -160,7 +151,7 @@ class WorkerEvictionState:
         if self.moment_correction:
             grown = []
             for layer in range(self.num_layers):
-                summary = EvictedSummary.zeros(
+                summary = EvictedMoments.zeros(
                     num_rows, self.num_kv_heads, self.head_dim, self.device,
                     covariance=self.moment_covariance,
                 )
@@ -266,10 +257,6 @@ class WorkerEvictionState:
             if compaction is not None:
                 self.recent_requests.append({"request_id": req_id, **compaction})
                 del self.recent_requests[:-16]
-            blocks = self.held_blocks.pop(req_id, None)
-            if blocks is not None and self.poison_freed_blocks:
-                # vLLM returns all of them to the pool in this same step.
-                self.poison(blocks)
         self.counters.rows_in_use = len(self.row_of)
         self.write_snapshot(force=True)
         if self.metrics is not None:
@@ -277,31 +264,29 @@ class WorkerEvictionState:
                 self._publish_retained()
             self.metrics.export(force=True)
 
-    def poison(self, block_ids: torch.Tensor, layer_index: int | None = None) -> None:
-        """Fill blocks (every head, K and V) with NaN in one layer or all of them."""
-        if block_ids.numel() == 0:
-            return
-        layers = self.kv_caches if layer_index is None else {layer_index: self.kv_caches[layer_index]}
-        for kv_cache in layers.values():
-            kv_cache[block_ids.to(kv_cache.device).long()] = float("nan")
-        if layer_index in (None, 0):
-            self.counters.blocks_poisoned += int(block_ids.numel())
+    def stream_rows(self, layer_index: int, row: int) -> StreamRows:
+        """Views of one request's side buffers in one layer, for the eviction engine."""
+        return StreamRows(
+            positions=self.positions[layer_index, row],
+            pages=self.head_pages[layer_index, row] if self.max_head_pages else None,
+            lens=self.head_lens[layer_index, row] if self.max_head_pages else None,
+            moments=self.summaries[layer_index].row(row) if self.summaries else None,
+        )
+
+    def record_compaction(
+        self, request_id: str, point: int, frontier: int, layer_index: int, counts: list[int]
+    ) -> None:
+        """Tokens each KV head of one layer kept at a compaction (tests and metrics)."""
+        record = self.last_compaction.setdefault(request_id, {})
+        if record.get("point") != point:
+            record.update(
+                point=point, frontier=frontier, head_lens=[[] for _ in range(self.num_layers)]
+            )
+        record["head_lens"][layer_index] = counts
+        self.observe_head_retained(counts)
 
     def write_snapshot(self, force: bool = False) -> None:
-        """Publish the counters to ``stats_path`` (throttled unless forced)."""
-        if not self.stats_path:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_write < 0.05:
-            return
-        self._last_write = now
-        data = {
-            **self.counters.__dict__,
-            "pid": os.getpid(),
-            "recent_requests": self.recent_requests,
-        }
-        directory = os.path.dirname(os.path.abspath(self.stats_path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvevict-worker")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle)
-        os.replace(tmp, self.stats_path)
+        """Publish the counters (throttled unless forced)."""
+        self.snapshot.write(
+            lambda: {**self.counters.__dict__, "recent_requests": self.recent_requests}, force
+        )

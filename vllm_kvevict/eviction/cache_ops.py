@@ -1,0 +1,71 @@
+"""What the eviction engine asks of a KV cache, and what it tells about it.
+
+A backend implements :class:`CacheOps` for its device and page layout (vLLM's
+CPU pages in :mod:`vllm_kvevict.vllm_glue.cpu_head_pages`). The cache is a
+pool of blocks; block ``b`` holds one *head-page* per KV-head slot ``s``
+(id ``b * H + s``). Two kinds of storage live in it:
+
+* *slots*: token ``t`` of a request's KV head ``h`` at offset ``t % bs`` of
+  head-page ``block_row[t // bs] * H + h``, in whatever order the backend's
+  cache writer uses (new tokens always land there);
+* *pages*: a head's compacted tokens filling a list of head-pages in order,
+  ``bs`` tokens of ``D`` values each, keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class CacheOps(Protocol):
+    @property
+    def num_heads(self) -> int:
+        """KV heads per block (head-pages per block)."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per head-page."""
+
+    def read_slots(
+        self, block_row: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[start, end)`` of every head, ``([H, n, D], [H, n, D])``."""
+
+    def write_slots(
+        self, block_row: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write ``keys, values [H, n, D]`` into slots ``[start, start + n)``."""
+
+    def read_pages(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of the head-pages ``pages``, ``([length, D], [length, D])``."""
+
+    def write_pages(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys, values [n, D]`` into the head-pages ``pages`` (``cdiv(n, bs)`` of them)."""
+
+
+@dataclass
+class Released:
+    """Memory one eviction stopped using: head-pages of kept blocks that no
+    head took, the slots below the point in the block it falls in, and the
+    blocks the scheduler frees once the step is done (``layer``: the layer
+    whose copy of them; ``None``, every layer's)."""
+
+    unused_pages: torch.Tensor | None = None
+    partial_blocks: list[tuple[int, int]] = field(default_factory=list)  # (block, slots below the point)
+    freed_blocks: torch.Tensor | None = None
+    layer: int | None = None
+
+
+class EvictionObserver:
+    """Told about each eviction's released memory; does nothing.
+
+    A debug observer (the isolation check that fills released memory with NaN)
+    overrides :meth:`released`; the engine calls it once per eviction and has
+    no other debug path.
+    """
+
+    def released(self, cache: CacheOps, released: Released) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""``head_pages`` storage: per-(layer, KV head) page tables, so heads keep
+different numbers of tokens.
+
+A request's KV head ``h`` keeps:
+
+* its *compacted* tokens in head-pages listed by its page table, of any slot
+  (a head that keeps more tokens uses the pages of heads that keep fewer);
+* its *standard region*: the slots ``[region_start, seq_len)`` where the
+  backend's cache writer puts new tokens; ``region_start`` is the last point
+  at which the request compacted.
+
+Compaction at point ``P`` (when the frontier moves from ``F0`` to ``F``)
+reads every live token below ``P`` (compacted pages and standard slots
+``[region_start, P)``), lets the policy and the head allocation choose, and
+writes the survivors to the head-pages of the blocks ``[F, P // bs)``, all of
+which the request keeps. So the request holds ``sum_h pages_h / H`` blocks of
+compacted tokens plus the blocks of its standard region, as the scheduler
+computes from the schedule alone. With the MomentKV correction the tokens a
+head drops are folded into its moments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
+from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, StreamRows
+from vllm_kvevict.eviction.select import KeepRule, choose_kept
+from vllm_kvevict.policies.base import PADDING_POSITION
+from vllm_kvevict.schedule import cdiv
+
+
+@dataclass
+class LiveTokens:
+    """Every live token below an eviction point, per head, padded to ``S``."""
+
+    keys: torch.Tensor  # [H, S, D] cache dtype
+    values: torch.Tensor  # [H, S, D]
+    positions: torch.Tensor  # [H, S] int64, PADDING_POSITION for padding
+    live: torch.Tensor  # [H, S] bool
+
+
+def gather_live(
+    cache: CacheOps,
+    pages: torch.Tensor,
+    lens: torch.Tensor,
+    positions: torch.Tensor,
+    block_row: torch.Tensor,
+    region_start: int,
+    point: int,
+) -> LiveTokens:
+    """Each head's compacted tokens followed by its standard slots ``[region_start, point)``.
+
+    Args:
+        pages: ``[H, max_pages]`` the heads' page tables.
+        lens: ``[H]`` compacted tokens per head.
+        positions: ``[H, capacity]`` original positions of compacted tokens.
+    """
+    lengths = lens.tolist()
+    num_standard = point - region_start
+    std_keys, std_values = cache.read_slots(block_row, region_start, point)
+    num_heads, _, head_dim = std_keys.shape
+    width = max(lengths) + num_standard
+    keys = std_keys.new_zeros(num_heads, width, head_dim)
+    values = std_values.new_zeros(num_heads, width, head_dim)
+    key_positions = torch.full(
+        (num_heads, width), PADDING_POSITION, dtype=torch.int64, device=keys.device
+    )
+    live = torch.zeros(num_heads, width, dtype=torch.bool, device=keys.device)
+    std_positions = torch.arange(region_start, point, device=keys.device)
+    for h, length in enumerate(lengths):
+        if length:
+            keys[h, :length], values[h, :length] = cache.read_pages(pages[h], length)
+            key_positions[h, :length] = positions[h, :length]
+        end = length + num_standard
+        keys[h, length:end] = std_keys[h]
+        values[h, length:end] = std_values[h]
+        key_positions[h, length:end] = std_positions
+        live[h, :end] = True
+    return LiveTokens(keys, values, key_positions, live)
+
+
+def assign_pages(free_pages: torch.Tensor, counts: list[int], block_size: int) -> list[torch.Tensor]:
+    """Give each head ``cdiv(count, block_size)`` consecutive pages of ``free_pages``."""
+    assigned, used = [], 0
+    for count in counts:
+        num_pages = cdiv(count, block_size)
+        assigned.append(free_pages[used : used + num_pages])
+        used += num_pages
+    if used > free_pages.numel():
+        raise RuntimeError(f"compaction needs {used} head-pages, the request holds {free_pages.numel()}")
+    return assigned
+
+
+def block_head_pages(block_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The head-page ids of ``block_ids``, block-major: ``b * H + s``."""
+    slots = torch.arange(num_heads, dtype=torch.int64, device=block_ids.device)
+    return (block_ids.long()[:, None] * num_heads + slots[None, :]).flatten().to(torch.int32)
+
+
+def kept_mask(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[H, S]`` bool of the tokens ``kept`` (``-1`` padded indices) names."""
+    mask = torch.zeros_like(like, dtype=torch.bool)
+    heads, columns = (kept >= 0).nonzero(as_tuple=True)
+    mask[heads, kept[heads, columns]] = True
+    return mask
+
+
+def write_kept(
+    cache: CacheOps,
+    tokens: LiveTokens,
+    kept: torch.Tensor,
+    counts: list[int],
+    new_pages: list[torch.Tensor],
+    rows: StreamRows,
+) -> None:
+    """Each head's kept tokens into its new pages; its page table and positions."""
+    assert rows.pages is not None
+    for h, count in enumerate(counts):
+        index = kept[h, :count]
+        cache.write_pages(new_pages[h], tokens.keys[h, index], tokens.values[h, index])
+        rows.pages[h, : new_pages[h].numel()] = new_pages[h]
+        rows.positions[h, :count] = tokens.positions[h, index]
+
+
+def compact_head_pages(
+    cache: CacheOps,
+    rule: KeepRule,
+    ev: EvictionPoint,
+    rows: StreamRows,
+    block_row: torch.Tensor,
+    scoring_inputs: ScoringInputsFor,
+    layer: int,
+    observer: EvictionObserver,
+) -> list[int]:
+    """Keep the policy's choice of every live token below ``ev.point``, split
+    across heads by the allocation, in the head-pages of the blocks
+    ``[frontier_after, point // bs)``; fold the rest into the moments.
+    Returns the tokens each head keeps."""
+    assert rows.pages is not None and rows.lens is not None
+    bs = cache.block_size
+    tokens = gather_live(
+        cache, rows.pages, rows.lens, rows.positions, block_row, ev.region_start, ev.point
+    )
+    inputs = scoring_inputs(tokens.keys, tokens.values, tokens.positions, rows.moments)
+    free_pages = block_head_pages(block_row[ev.frontier_after // bs : ev.point // bs], cache.num_heads)
+    counts, kept = choose_kept(rule, [inputs], [tokens.live], ev.point, free_pages.numel(), bs)
+    counts_list = counts.tolist()
+    new_pages = assign_pages(free_pages, counts_list, bs)
+    if rows.moments is not None:
+        rows.moments.fold_(tokens.keys, tokens.values, tokens.live & ~kept_mask(kept, tokens.live))
+    write_kept(cache, tokens, kept, counts_list, new_pages, rows)
+    rows.lens.copy_(counts.to(rows.lens.dtype))
+    used = sum(p.numel() for p in new_pages)
+    observer.released(cache, Released(
+        unused_pages=free_pages[used:],
+        partial_blocks=[(int(block_row[ev.point // bs]), ev.point % bs)] if ev.point % bs else [],
+        freed_blocks=block_row[ev.frontier_before // bs : ev.frontier_after // bs],
+        layer=layer,
+    ))
+    return counts_list

@@ -1,0 +1,81 @@
+"""One request reaching one eviction point in a step, and where its tokens are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kvevict.policies.base import ScoringInputs
+
+if TYPE_CHECKING:
+    from vllm_kvevict.eviction.moments import EvictedMoments
+
+
+@dataclass
+class EvictionPoint:
+    """A request that reaches eviction point ``point`` in this step."""
+
+    request_id: str
+    batch_index: int
+    state_row: int
+    query_start: int  # index of the request's first token in the batch
+    tokens_before: int  # tokens processed before this step
+    last_point_before: int  # last eviction point at or below tokens_before
+    frontier_before: int
+    point: int
+    frontier_after: int
+    segment_end: int  # the step's tokens in [point, segment_end) attend after this eviction
+    # head_pages storage: whether the frontier moves (the only points that
+    # compact), and the first slot of the standard region when this runs.
+    compacts: bool = False
+    region_start: int = 0
+    backend_data: Any = None  # what the backend needs for the segment's attention
+
+    @property
+    def segment_tokens(self) -> slice:
+        """Batch indices of the tokens that attend after this eviction."""
+        first = self.query_start + self.point - self.tokens_before
+        return slice(first, first + self.segment_end - self.point)
+
+
+@dataclass
+class StreamRows:
+    """One request's side buffers in one layer (views): per KV head the
+    original positions of its compacted tokens, and with head-pages its page
+    table, compacted length and evicted-token moments."""
+
+    positions: torch.Tensor  # [H, capacity] int64
+    pages: torch.Tensor | None = None  # [H, max_pages] int32 head-page ids
+    lens: torch.Tensor | None = None  # [H] int32
+    moments: "EvictedMoments | None" = None
+
+
+ScoringInputsFor = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "EvictedMoments | None"], ScoringInputs
+]
+"""``(keys, values, positions, evicted)`` → the policy's inputs: the backend
+adds the observation queries and the model parts the policy reads."""
+
+
+def observation_queries(
+    ring: torch.Tensor, query: torch.Tensor, ev: EvictionPoint
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries of positions ``[point - W, point)``, ``[Hq, W, D]``, and their positions.
+
+    Positions processed in this step come from its ``query [T, Hq, D]``;
+    earlier ones from ``ring [W, Hq, D]`` (position ``p`` at ``p % W``), which
+    the layer has not updated yet this step.
+    """
+    window = ring.shape[0]
+    positions = torch.arange(max(0, ev.point - window), ev.point, device=query.device)
+    from_ring = positions < ev.tokens_before
+    gathered = torch.empty(
+        (positions.numel(), query.shape[1], query.shape[2]), dtype=query.dtype, device=query.device
+    )
+    gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
+    fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
+    gathered[~from_ring] = query[fresh]
+    return gathered.transpose(0, 1), positions

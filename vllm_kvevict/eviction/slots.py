@@ -1,0 +1,59 @@
+"""``slots`` storage: each KV head keeps its tokens in its own slots of the
+request's live blocks, so an unmodified paged kernel reads them.
+
+After evicting at point ``P`` every head holds ``P - F`` tokens in the slots
+``[F, P)`` (``F``: the schedule's frontier), followed by the slots of tokens
+written since. ``positions[h, i]`` is the original position of the token in
+slot ``F + i`` below the last point; slots at or after it hold the token of
+their own position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
+from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor
+from vllm_kvevict.eviction.select import KeepRule, choose_kept
+
+
+def evict_slots(
+    cache: CacheOps,
+    rule: KeepRule,
+    ev: EvictionPoint,
+    positions_row: torch.Tensor,
+    block_row: torch.Tensor,
+    scoring_inputs: ScoringInputsFor,
+    layer: int,
+    observer: EvictionObserver,
+) -> list[int] | None:
+    """Keep the policy's choice of the live tokens below ``ev.point`` in the
+    slots ``[frontier_after, point)``; ``positions_row [H, capacity]`` follows.
+    Returns the tokens each head keeps, or None when nothing moved."""
+    bs = cache.block_size
+    num_compacted = ev.last_point_before - ev.frontier_before
+    num_live = ev.point - ev.frontier_before
+    new_positions = torch.arange(ev.last_point_before, ev.point, device=positions_row.device)
+    if ev.frontier_after == ev.frontier_before:
+        # The frontier stays in its block: every live token is kept where it
+        # is; only record where the new ones came from.
+        positions_row[:, num_compacted:num_live] = new_positions
+        return None
+    keys, values = cache.read_slots(block_row, ev.frontier_before, ev.point)
+    num_heads = keys.shape[0]
+    positions = torch.cat(
+        [positions_row[:, :num_compacted], new_positions.expand(num_heads, -1)], dim=1
+    )
+    num_keep = ev.point - ev.frontier_after
+    inputs = scoring_inputs(keys, values, positions, None)
+    # Every head keeps exactly num_keep tokens: a uniform split of one-token pages.
+    _, kept = choose_kept(rule, [inputs], [None], ev.point, num_heads * num_keep, 1)
+    gather_index = kept.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+    cache.write_slots(
+        block_row, ev.frontier_after, keys.gather(1, gather_index), values.gather(1, gather_index)
+    )
+    positions_row[:, :num_keep] = positions.gather(1, kept)
+    observer.released(cache, Released(
+        freed_blocks=block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer=layer
+    ))
+    return [num_keep] * num_heads
