@@ -1,5 +1,5 @@
 // Attention over per-(request, KV-head) page tables on vLLM's CPU KV cache,
-// with the MomentKV evicted-token summary folded into the same softmax.
+// with the MomentKV evicted-token moments folded into the same softmax.
 //
 // Semantics: vllm_kvevict/triton_kernels/head_paged_attention.py
 // (head_paged_attention_reference); torch twin and loader:
@@ -17,7 +17,7 @@
 // Scheme. The work is cut into items (request, KV head, tile of <= 32 query
 // tokens, chunk of pages), pulled by torch's threads from a shared counter.
 // An item converts its queries to fp32 (times the softmax scale), starts
-// every query row from the summary's partial state (m = lse_E, l = 1,
+// every query row from the moments' partial state (m = lse_E, l = 1,
 // acc = o_E) in its first chunk, and runs the flash-style online softmax page
 // by page. A page's K and V rows are made available as fp32: pointers into
 // the cache where no conversion is needed (fp32 logical pages; fp32 "vec" key
@@ -249,7 +249,7 @@ struct Group {
   int64_t ntok;
   int64_t pos0;  // position of token tok0
   int64_t seg_begin, seg_end;
-  int64_t summary_row;  // -1: none
+  int64_t moment_row;  // -1: none
   int64_t nchunks;
   int64_t partial_offset;  // floats into the partial buffer when nchunks > 1
 };
@@ -274,7 +274,7 @@ struct OffsetTable {
   PageOrder order;
 };
 
-// Rank of the summary's value x key cross-covariance C (see vllm_kvevict/eviction/moments.py).
+// Rank of the moments' value x key cross-covariance C (see vllm_kvevict/eviction/moments.py).
 enum class CovMode { kNone, kDiagonal, kFull };
 
 struct Params {
@@ -283,7 +283,7 @@ struct Params {
   PageOrder key_order, value_order;
   const int32_t* key_off;
   const int32_t* value_off;
-  const float* count = nullptr;  // summary, fp32 contiguous
+  const float* count = nullptr;  // moments, fp32 contiguous
   const float* key_mean = nullptr;
   const float* value_mean = nullptr;
   const float* cross_cov = nullptr;
@@ -444,11 +444,11 @@ inline void softmax_update(float* __restrict s, float mx, const float* __restric
   m = m_new;
 }
 
-// The summary's partial state of one pre-scaled query row:
+// The moments' partial state of one pre-scaled query row:
 // m = lse_E = log n + q . k̄, l = 1, acc = o_E = v̄ + C q / max(n, 1), where
 // C q is a mat-vec (full), diag(C) ⊙ q (diagonal) or absent (none).
 template <int DT>
-inline void summary_state(const float* __restrict q, float n, const float* __restrict kbar,
+inline void moments_state(const float* __restrict q, float n, const float* __restrict kbar,
                           const float* __restrict vbar, const float* __restrict C, CovMode mode,
                           int64_t D_rt, float& m, float& l, float* __restrict acc) {
   const int64_t D = DT > 0 ? DT : D_rt;
@@ -564,16 +564,16 @@ void run_item(const Params& P, const Group& g, int64_t chunk, const Segment* seg
     }
   }
 
-  // Initial state: empty, or the summary's partial state in the first chunk.
+  // Initial state: empty, or the moments' partial state in the first chunk.
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
   std::fill(acc, acc + rows * D, 0.0f);
-  if (chunk == 0 && g.summary_row >= 0) {
-    const int64_t sh = g.summary_row * P.H + g.head;
+  if (chunk == 0 && g.moment_row >= 0) {
+    const int64_t sh = g.moment_row * P.H + g.head;
     const float n = P.count[sh];
     if (n > 0.0f) {
       for (int64_t r = 0; r < rows; ++r) {
-        summary_state<DT>(q + r * D, n, P.key_mean + sh * D, P.value_mean + sh * D,
+        moments_state<DT>(q + r * D, n, P.key_mean + sh * D, P.value_mean + sh * D,
                           P.cross_cov + sh * P.cov_elems, P.cov_mode, D, m[r], l[r],
                           acc + r * D);
       }
@@ -792,11 +792,11 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                           const at::Tensor& head_page_table, const at::Tensor& head_lens,
                           const at::Tensor& block_table, const at::Tensor& region_start,
                           const at::Tensor& key_offsets, const at::Tensor& value_offsets,
-                          double scale, const std::optional<at::Tensor>& summary_count,
-                          const std::optional<at::Tensor>& summary_key_mean,
-                          const std::optional<at::Tensor>& summary_value_mean,
-                          const std::optional<at::Tensor>& summary_cross_cov,
-                          const std::optional<at::Tensor>& summary_rows, at::Tensor& out,
+                          double scale, const std::optional<at::Tensor>& moment_count,
+                          const std::optional<at::Tensor>& moment_key_mean,
+                          const std::optional<at::Tensor>& moment_value_mean,
+                          const std::optional<at::Tensor>& moment_cross_cov,
+                          const std::optional<at::Tensor>& moment_rows, at::Tensor& out,
                           at::Tensor& lse) {
   // ---- shapes and dtypes
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu(), "query must be a CPU [T, Hq, D] tensor");
@@ -857,29 +857,29 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   P.lse_s0 = lse.stride(0);
   P.lse_s1 = lse.stride(1);
 
-  const bool has_summary = summary_count.has_value() && summary_count->defined();
+  const bool has_moments = moment_count.has_value() && moment_count->defined();
   IntView srows;
-  int64_t num_summary_rows = 0;
-  if (has_summary) {
-    TORCH_CHECK(summary_key_mean.has_value() && summary_value_mean.has_value() &&
-                    summary_cross_cov.has_value() && summary_rows.has_value(),
-                "the summary needs count, key_mean, value_mean, cross_cov and summary_rows");
-    const at::Tensor& c = *summary_count;
-    const at::Tensor& km = *summary_key_mean;
-    const at::Tensor& vm = *summary_value_mean;
-    const at::Tensor& cc = *summary_cross_cov;
+  int64_t num_moment_rows = 0;
+  if (has_moments) {
+    TORCH_CHECK(moment_key_mean.has_value() && moment_value_mean.has_value() &&
+                    moment_cross_cov.has_value() && moment_rows.has_value(),
+                "the moments need count, key_mean, value_mean, cross_cov and moment_rows");
+    const at::Tensor& c = *moment_count;
+    const at::Tensor& km = *moment_key_mean;
+    const at::Tensor& vm = *moment_value_mean;
+    const at::Tensor& cc = *moment_cross_cov;
     for (const at::Tensor* t : {&c, &km, &vm, &cc}) {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
-                  "summary tensors must be contiguous float32 CPU tensors");
+                  "moment tensors must be contiguous float32 CPU tensors");
     }
-    num_summary_rows = c.size(0);
-    TORCH_CHECK(c.dim() == 2 && c.size(1) == H, "summary count must be [N, H]");
-    TORCH_CHECK(km.dim() == 3 && km.size(0) == num_summary_rows && km.size(1) == H &&
+    num_moment_rows = c.size(0);
+    TORCH_CHECK(c.dim() == 2 && c.size(1) == H, "moment count must be [N, H]");
+    TORCH_CHECK(km.dim() == 3 && km.size(0) == num_moment_rows && km.size(1) == H &&
                     km.size(2) == D,
-                "summary key_mean must be [N, H, D]");
-    TORCH_CHECK(vm.sizes() == km.sizes(), "summary value_mean must be [N, H, D]");
-    TORCH_CHECK(cc.dim() >= 3 && cc.size(0) == num_summary_rows && cc.size(1) == H,
-                "summary cross_cov must be [N, H, ...]");
+                "moment key_mean must be [N, H, D]");
+    TORCH_CHECK(vm.sizes() == km.sizes(), "moment value_mean must be [N, H, D]");
+    TORCH_CHECK(cc.dim() >= 3 && cc.size(0) == num_moment_rows && cc.size(1) == H,
+                "moment cross_cov must be [N, H, ...]");
     if (cc.dim() == 4 && cc.size(2) == D && cc.size(3) == D) {
       P.cov_mode = CovMode::kFull;
       P.cov_elems = D * D;
@@ -890,11 +890,11 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       P.cov_mode = CovMode::kNone;
       P.cov_elems = 0;
     } else {
-      TORCH_CHECK(false, "summary cross_cov must be [N, H, D, D] (full), [N, H, D] (diagonal) "
+      TORCH_CHECK(false, "moment cross_cov must be [N, H, D, D] (full), [N, H, D] (diagonal) "
                   "or [N, H, 0] (none)");
     }
-    TORCH_CHECK(summary_rows->numel() == R, "summary_rows must have R entries");
-    srows = int_view(*summary_rows, "summary_rows");
+    TORCH_CHECK(moment_rows->numel() == R, "moment_rows must have R entries");
+    srows = int_view(*moment_rows, "moment_rows");
     P.count = c.data_ptr<float>();
     P.key_mean = km.data_ptr<float>();
     P.value_mean = vm.data_ptr<float>();
@@ -918,9 +918,9 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                 " outside [0, seq_len]");
     TORCH_CHECK(start == seq_len || (seq_len - 1) / bs < max_blocks, "request ", r,
                 ": seq_len ", seq_len, " needs more blocks than block_table has");
-    const int64_t summary_row = has_summary ? srows[r] : -1;
-    TORCH_CHECK(summary_row >= -1 && summary_row < num_summary_rows, "request ", r,
-                ": summary row ", summary_row, " out of range");
+    const int64_t moment_row = has_moments ? srows[r] : -1;
+    TORCH_CHECK(moment_row >= -1 && moment_row < num_moment_rows, "request ", r,
+                ": moment row ", moment_row, " out of range");
     for (int64_t h = 0; h < H; ++h) {
       const int64_t seg_begin = static_cast<int64_t>(segs.size());
       const int64_t length = hl[r * H + h];
@@ -954,7 +954,7 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
         const int64_t last_pos = g.pos0 + g.ntok - 1;
         while (e > seg_begin && segs[e - 1].standard && segs[e - 1].slot0 > last_pos) --e;
         g.seg_end = e;
-        g.summary_row = summary_row;
+        g.moment_row = moment_row;
         g.nchunks = 1;
         max_rows = std::max(max_rows, g.ntok * G);
         groups.push_back(g);
@@ -1042,11 +1042,11 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-kvevict CPU kernels";
   m.def("head_paged_attention", &head_paged_attention,
-        "Attention over per-(request, KV-head) page tables with the evicted-token summary",
+        "Attention over per-(request, KV-head) page tables with the evicted-token moments",
         py::arg("query"), py::arg("kv_cache"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("head_page_table"), py::arg("head_lens"), py::arg("block_table"),
         py::arg("region_start"), py::arg("key_offsets"), py::arg("value_offsets"),
-        py::arg("scale"), py::arg("summary_count"), py::arg("summary_key_mean"),
-        py::arg("summary_value_mean"), py::arg("summary_cross_cov"), py::arg("summary_rows"),
+        py::arg("scale"), py::arg("moment_count"), py::arg("moment_key_mean"),
+        py::arg("moment_value_mean"), py::arg("moment_cross_cov"), py::arg("moment_rows"),
         py::arg("out"), py::arg("lse"), py::call_guard<py::gil_scoped_release>());
 }

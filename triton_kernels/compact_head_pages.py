@@ -165,7 +165,7 @@ if triton is not None:
         src_tokens_ptr,
         evicted_index_ptr,
         evicted_count_ptr,
-        summary_rows_ptr,
+        moment_rows_ptr,
         batch_count_ptr,
         batch_mean_ptr,
         stride_kb,
@@ -197,7 +197,7 @@ if triton is not None:
         k_sum = tl.zeros([BLOCK_D], tl.float32)
         v_sum = tl.zeros([BLOCK_D], tl.float32)
         count = tl.load(evicted_count_ptr + rh)
-        if tl.load(summary_rows_ptr + rh // NUM_KV_HEADS) < 0:
+        if tl.load(moment_rows_ptr + rh // NUM_KV_HEADS) < 0:
             count = count * 0
         for e0 in range(0, count, BLOCK_T):
             e = e0 + tl.arange(0, BLOCK_T)
@@ -224,7 +224,7 @@ if triton is not None:
         src_tokens_ptr,
         evicted_index_ptr,
         evicted_count_ptr,
-        summary_rows_ptr,
+        moment_rows_ptr,
         batch_count_ptr,
         batch_mean_ptr,
         count_ptr,
@@ -271,7 +271,7 @@ if triton is not None:
         """
         rh = tl.program_id(0)
         dv0 = tl.program_id(1) * BLOCK_DV
-        row = tl.load(summary_rows_ptr + rh // NUM_KV_HEADS)
+        row = tl.load(moment_rows_ptr + rh // NUM_KV_HEADS)
         n_b = tl.load(batch_count_ptr + rh)
         if (row < 0) | (n_b == 0):
             return
@@ -326,7 +326,7 @@ if triton is not None:
 
     @triton.jit
     def _fold_means_kernel(
-        summary_rows_ptr,
+        moment_rows_ptr,
         batch_count_ptr,
         batch_mean_ptr,
         count_ptr,
@@ -345,7 +345,7 @@ if triton is not None:
         """Program (r, h): the Chan update of count and means, after the
         cross-covariance launch has read the old ones."""
         rh = tl.program_id(0)
-        row = tl.load(summary_rows_ptr + rh // NUM_KV_HEADS)
+        row = tl.load(moment_rows_ptr + rh // NUM_KV_HEADS)
         n_b = tl.load(batch_count_ptr + rh)
         if (row < 0) | (n_b == 0):
             return

@@ -174,7 +174,7 @@ if triton is not None:
         key_mean_ptr,
         value_mean_ptr,
         cross_cov_ptr,
-        summary_rows_ptr,
+        moment_rows_ptr,
         scale,
         scale_log2,
         num_requests,
@@ -219,7 +219,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
-        HAS_SUMMARY: tl.constexpr,
+        HAS_MOMENTS: tl.constexpr,
         COV_MODE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         DOT_UPCAST: tl.constexpr,
@@ -263,11 +263,11 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        if HAS_SUMMARY:
+        if HAS_MOMENTS:
             # The evicted moments are the softmax's starting state (one split owns it):
             # m = lse_E, l = 1, acc = o_E, with lse_E = log n + τ q·k̄ (Eq. 11) and
             # o_E = v̄ + τ C q / n (Eq. 9). Their fp32 statistics cost one extra read.
-            row = tl.load(summary_rows_ptr + req)
+            row = tl.load(moment_rows_ptr + req)
             if (split == 0) & (row >= 0):
                 row64 = row.to(tl.int64)
                 n = tl.load(count_ptr + row64 * stride_cnt_n + kv_head * stride_cnt_h)
@@ -581,7 +581,7 @@ def head_paged_attention(
         cov_mode = {"none": 0, "diagonal": 1, "full": 2}[moments.covariance]
         if cov_mode == 0:  # an empty C: hand the kernel a placeholder it never reads
             cross_cov = out.unsqueeze(0)
-    else:  # never read (HAS_SUMMARY is a constexpr): placeholders of the right rank
+    else:  # never read (HAS_MOMENTS is a constexpr): placeholders of the right rank
         count, key_mean, value_mean, cross_cov = lse, out, out, out.unsqueeze(0)
         rows = seq_lens
         cov_mode = 2
@@ -642,7 +642,7 @@ def head_paged_attention(
         BLOCK_N=block_n,
         BLOCK_DK=16,
         NUM_SPLITS=num_splits,
-        HAS_SUMMARY=moments is not None,
+        HAS_MOMENTS=moments is not None,
         COV_MODE=cov_mode,
         DOT_PRECISION=precision,
         DOT_UPCAST=key_cache.dtype == torch.bfloat16 and _interpreted(_head_paged_attention_kernel),

@@ -631,7 +631,7 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         """Our kernel over the page tables of the batch's ``requests``."""
         state = plan.state
         rows = plan.state_rows[requests]
-        moments = state.summaries[layer_index] if state.summaries else None
+        moments = state.moments[layer_index] if state.moments else None
         batch = HeadPagedBatch(
             head_page_table=state.head_pages[layer_index].index_select(0, rows),
             head_lens=state.head_lens[layer_index].index_select(0, rows),
@@ -659,15 +659,11 @@ class KVEvictCPUImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
     ) -> None:
         """head_budget global: store this step's log β and attend over the
-        layer's page tables (pages of any layer). The ranking of every layer
-        together runs after the last layer (DBTrimKV compresses between
-        forward passes).
-
-        Eviction points inside the step are applied at its end, at the last
-        one: tokens of the step after a point attend to the uncompacted cache,
-        which the request holds during the step anyway. The blocks freed are
-        the schedule's, so the scheduler's accounting is unchanged.
-        """
+        layer's page tables (pages of any layer). Every layer is ranked
+        together after the last one, at the step's last compacting point
+        (DBTrimKV compresses between forward passes): tokens of the step after
+        an earlier point attend to the uncompacted cache, which the request
+        holds during the step anyway, and the blocks freed are the schedule's."""
         state, bs = plan.state, plan.schedule.block_size
         whole, offset = state.global_kv(layer_index, kv_cache)
         num_tokens = plan.query_start[-1]

@@ -17,7 +17,7 @@ clearing.
 With ``head_pages`` storage each row also has, per layer, its KV heads' page
 tables (``head_pages [L, rows, H, max_pages]`` head-page ids, ``head_lens [L,
 rows, H]`` compacted tokens), the first slot of its standard region (the last
-point at which it compacted) and, with the MomentKV correction, the summary
+point at which it compacted) and, with the MomentKV correction, the moments
 of every token each head has evicted. These are reset when a row is assigned.
 
 The counters (rows, side-buffer bytes, and the isolation check's poisoned
@@ -78,7 +78,7 @@ class WorkerEvictionState:
         self.head_pages = torch.empty(0, dtype=torch.int32)
         self.head_lens = torch.empty(0, dtype=torch.int32)
         self.region_start = torch.empty(0, dtype=torch.int64)
-        self.summaries: list[EvictedMoments] = []
+        self.moments: list[EvictedMoments] = []
         # Global eviction (head_budget global): every layer's cache seen as one
         # pool of blocks, so a head's page table may name pages of any layer,
         # and the log β of every cached token, one fp32 per head-page slot.
@@ -131,8 +131,8 @@ class WorkerEvictionState:
 
     def _count_side_buffers(self) -> None:
         buffers = [self.positions, self.query_ring, self.head_pages, self.head_lens, self.log_beta_pages]
-        for summary in self.summaries:
-            buffers += [summary.count, summary.key_mean, summary.value_mean, summary.cross_cov]
+        for moments in self.moments:
+            buffers += [moments.count, moments.key_mean, moments.value_mean, moments.cross_cov]
         self.counters.side_buffer_bytes = sum(t.numel() * t.element_size() for t in buffers)
         if self.metrics is not None:
             self.publish_side_buffers(self._rank_label)
@@ -151,22 +151,22 @@ class WorkerEvictionState:
         if self.moment_correction:
             grown = []
             for layer in range(self.num_layers):
-                summary = EvictedMoments.zeros(
+                moments = EvictedMoments.zeros(
                     num_rows, self.num_kv_heads, self.head_dim, self.device,
                     covariance=self.moment_covariance,
                 )
                 if old:
-                    previous = self.summaries[layer]
+                    previous = self.moments[layer]
                     for name in ("count", "key_mean", "value_mean", "cross_cov"):
-                        getattr(summary, name)[:old] = getattr(previous, name)
-                grown.append(summary)
-            self.summaries = grown
+                        getattr(moments, name)[:old] = getattr(previous, name)
+                grown.append(moments)
+            self.moments = grown
 
     def _reset_head_pages(self, row: int) -> None:
         self.head_lens[:, row] = 0
         self.region_start[row] = 0
-        for summary in self.summaries:
-            summary.reset(row)
+        for moments in self.moments:
+            moments.reset(row)
 
     def global_kv(self, layer_index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every layer's cache as one tensor of blocks, and where layer ``layer_index``'s start.
@@ -270,7 +270,7 @@ class WorkerEvictionState:
             positions=self.positions[layer_index, row],
             pages=self.head_pages[layer_index, row] if self.max_head_pages else None,
             lens=self.head_lens[layer_index, row] if self.max_head_pages else None,
-            moments=self.summaries[layer_index].row(row) if self.summaries else None,
+            moments=self.moments[layer_index].row(row) if self.moments else None,
         )
 
     def record_compaction(
