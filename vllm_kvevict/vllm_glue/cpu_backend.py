@@ -446,12 +446,6 @@ def head_paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
 
 
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU page layout: each (block, head) page is a K block then a V block."""
-    key_cache, value_cache = head_paged_view(kv_cache).chunk(2, dim=2)
-    return key_cache, value_cache
-
-
 class KVEvictCPUImpl(CPUAttentionBackendImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         global _worker_vllm_config
