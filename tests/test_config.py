@@ -30,7 +30,7 @@ FIELDS = [
     "end_of_prompt_max_tokens",
     "policy_options",
     "poison_freed_blocks",
-    "cpu_attention",
+    "attention_kernel",
     "head_budget",
     "head_budget_floor",
     "moment_correction",
@@ -54,7 +54,7 @@ SETTINGS = {
     "end_of_prompt_max_tokens": 2048,
     "policy_options": {"kernel_size": 5, "pooling": "avg"},
     "poison_freed_blocks": True,
-    "cpu_attention": "torch",
+    "attention_kernel": "torch",
     "head_budget": "adaptive",
     "head_budget_floor": 0.3,
     "moment_correction": True,
@@ -75,7 +75,7 @@ policy_options:
   kernel_size: 5
   pooling: avg
 poison_freed_blocks: true
-cpu_attention: torch
+attention_kernel: torch
 head_budget: adaptive
 head_budget_floor: 0.3
 moment_correction: true
@@ -130,7 +130,7 @@ def test_defaults_and_no_flags():
         "end_of_prompt_max_tokens": 4096,
         "policy_options": {},
         "poison_freed_blocks": False,
-        "cpu_attention": "native",
+        "attention_kernel": "auto",
         "head_budget": "uniform",
         "head_budget_floor": 0.2,
         "moment_correction": False,
@@ -332,7 +332,7 @@ def test_config_without_policy():
         {"sink_tokens": -1},
         {"observation_window": 0},
         {"decode_interval": 0},
-        {"cpu_attention": "cuda"},
+        {"attention_kernel": "cuda"},
         {"budget": "many"},
     ],
 )

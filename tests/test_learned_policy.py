@@ -239,12 +239,12 @@ def test_global_kv_views_every_layer_of_one_allocation() -> None:
     layers = [buffer[i * num_blocks * heads * 2 * bs * dim:][: num_blocks * heads * 2 * bs * dim]
               .view(num_blocks, heads, 2 * bs, dim) for i in range(3)]
     for index in (2, 0, 1):
-        whole, offset = state.global_kv(index, layers[index])
+        whole, offset = state.global_kv(index, layers[index], bs)
         assert offset == index * num_blocks
         assert torch.equal(whole[offset : offset + num_blocks], layers[index])
     assert state.log_beta_pages.shape == (3 * num_blocks * heads, bs)
     with pytest.raises(RuntimeError, match="dense view"):
-        state.global_kv(0, layers[0].transpose(0, 1))
+        state.global_kv(0, layers[0].transpose(0, 1), bs)
 
 
 def test_unsupported_architectures_get_a_clear_error() -> None:

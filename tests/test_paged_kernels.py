@@ -269,7 +269,7 @@ def test_native_kernel_on_shifted_table_equals_reference(case, split_kv):
     for i, (keys, values, frontier) in enumerate(live):
         want = region_attention(queries[i], keys, values, frontier, scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], want, atol=1e-4, rtol=1e-4)
-        # the cpu_attention="torch" path reads the same live region through the layout
+        # the attention_kernel="torch" path reads the same live region through the layout
         seq_len = frontier + keys.shape[1]
         row = table[i, frontier // block_size : _cdiv(seq_len, block_size)]
         assert torch.equal(layout.read_pages(key_cache, row, True)[:, : keys.shape[1]], keys)

@@ -90,11 +90,15 @@ class EvictionConfig(BaseModel):
         "and count attention outputs that contain NaN (isolation check; also turned on "
         "by the environment variable KVEVICT_POISON_FREED_BLOCKS=1)",
     )
-    cpu_attention: Literal["native", "torch"] = Field(
-        "native",
-        description="CPU attention over the retained tokens: 'native' runs a C++ kernel "
-        "(vLLM's on a shifted block table with slots storage, ours over per-head page "
-        "tables), 'torch' the reference implementation",
+    attention_kernel: Literal["auto", "native", "torch", "triton"] = Field(
+        "auto",
+        description="kernels over the retained tokens: auto (native on CPU, triton on "
+        "CUDA); native (CPU: a C++ kernel, vLLM's on a shifted block table with slots "
+        "storage, ours over per-head page tables); torch (CPU: the reference "
+        "implementation); triton (the Triton kernels over per-head page tables with the "
+        "MomentKV correction in the attention pass and the compaction kernel; on CPU they "
+        "run under Triton's interpreter, which needs TRITON_INTERPRET=1 in the server's "
+        "environment from the start)",
     )
     head_budget: Literal["uniform", "adaptive", "global"] = Field(
         None,  # type: ignore[assignment]  # resolved per policy: global for learned
@@ -206,6 +210,13 @@ class EvictionConfig(BaseModel):
         if self.storage is None:
             return self.needs_head_pages
         return self.storage == "head_pages"
+
+    def kernel_for(self, device_type: str) -> Literal["native", "torch", "triton"]:
+        """The attention kernel on ``device_type`` ("cpu" or "cuda"): ``auto``
+        resolved (native on CPU, triton on CUDA)."""
+        if self.attention_kernel == "auto":
+            return "triton" if device_type == "cuda" else "native"
+        return self.attention_kernel
 
     def build_policy(self) -> EvictionPolicy:
         """The policy object with its options (built once: policies keep no

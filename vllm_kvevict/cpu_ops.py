@@ -5,7 +5,7 @@ Two implementations of one interface (:func:`head_paged_attention`):
 * the C++ (OpenMP) kernel ``csrc/head_paged_attention.cpp``, JIT-built on first
   use by :func:`load_cpu_ops` with torch's extension loader;
 * :func:`head_paged_attention_torch`, the same computation in torch: the
-  ``cpu_attention="torch"`` serving path and the fallback when the kernel
+  ``attention_kernel="torch"`` serving path and the fallback when the kernel
   cannot be built (no compiler, a failed build).
 
 Both read one layer's cache ``kv_cache [num_blocks, H, 2 * page_size, D]``:
@@ -22,7 +22,7 @@ on the logical cache.
 
 Also here, the other torch code of the CPU serving path:
 :func:`attend_head_tokens` (the attention both torch implementations share)
-and :func:`region_attention` (``cpu_attention="torch"`` with ``slots``
+and :func:`region_attention` (``attention_kernel="torch"`` with ``slots``
 storage).
 """
 

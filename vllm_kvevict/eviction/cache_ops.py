@@ -15,9 +15,12 @@ pool of blocks; block ``b`` holds one *head-page* per KV-head slot ``s``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_kvevict.eviction.moments import EvictedMoments
 
 
 class CacheOps(Protocol):
@@ -44,6 +47,32 @@ class CacheOps(Protocol):
 
     def write_pages(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys, values [n, D]`` into the head-pages ``pages`` (``cdiv(n, bs)`` of them)."""
+
+
+@runtime_checkable
+class CompactsInPlace(Protocol):
+    """A cache that moves a compaction's kept tokens itself, on its device
+    (the Triton compaction kernel), instead of the engine reading them out and
+    writing them back through :meth:`CacheOps.write_pages`.
+
+    Tokens are named by their *flat address* ``head_page * bs + offset``, the
+    same for compacted pages and standard slots.
+    """
+
+    def compact(
+        self,
+        addresses: torch.Tensor,
+        live_lens: torch.Tensor,
+        kept: torch.Tensor,
+        kept_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        moments: EvictedMoments | None,
+    ) -> None:
+        """Head ``h`` keeps ``addresses[h, kept[h, :kept_lens[h]]]`` (``[H, S]``
+        live tokens, ``live_lens[h]`` of them), written in order into the
+        head-pages ``page_table[h]``; its other live tokens are folded into
+        ``moments`` (``[H, ...]`` views; ``None``: dropped). Every read
+        happens before every write."""
 
 
 @dataclass

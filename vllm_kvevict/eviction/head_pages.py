@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
+from vllm_kvevict.eviction.cache_ops import CacheOps, CompactsInPlace, EvictionObserver, Released
 from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
 from vllm_kvevict.policies.base import PADDING_POSITION
@@ -40,6 +40,7 @@ class LiveTokens:
     values: torch.Tensor  # [H, S, D]
     positions: torch.Tensor  # [H, S] int64, PADDING_POSITION for padding
     live: torch.Tensor  # [H, S] bool
+    addresses: torch.Tensor  # [H, S] int64 flat addresses head_page * bs + offset (0 for padding)
 
 
 def gather_live(
@@ -70,16 +71,24 @@ def gather_live(
     )
     live = torch.zeros(num_heads, width, dtype=torch.bool, device=keys.device)
     std_positions = torch.arange(region_start, point, device=keys.device)
+    bs = cache.block_size
+    addresses = torch.zeros(num_heads, width, dtype=torch.int64, device=keys.device)
+    std_blocks = block_row[std_positions // bs].long().to(keys.device)
+    compacted = torch.arange(max(lengths, default=0), device=keys.device)
     for h, length in enumerate(lengths):
         if length:
             keys[h, :length], values[h, :length] = cache.read_pages(pages[h], length)
             key_positions[h, :length] = positions[h, :length]
+            addresses[h, :length] = (
+                pages[h, compacted[:length] // bs].long() * bs + compacted[:length] % bs
+            )
         end = length + num_standard
         keys[h, length:end] = std_keys[h]
         values[h, length:end] = std_values[h]
         key_positions[h, length:end] = std_positions
+        addresses[h, length:end] = (std_blocks * num_heads + h) * bs + std_positions % bs
         live[h, :end] = True
-    return LiveTokens(keys, values, key_positions, live)
+    return LiveTokens(keys, values, key_positions, live, addresses)
 
 
 def assign_pages(free_pages: torch.Tensor, counts: list[int], block_size: int) -> list[torch.Tensor]:
@@ -149,9 +158,20 @@ def compact_head_pages(
     counts, kept = choose_kept(rule, [inputs], [tokens.live], ev.point, free_pages.numel(), bs)
     counts_list = counts.tolist()
     new_pages = assign_pages(free_pages, counts_list, bs)
-    if rows.moments is not None:
-        rows.moments.fold_(tokens.keys, tokens.values, tokens.live & ~kept_mask(kept, tokens.live))
-    write_kept(cache, tokens, kept, counts_list, new_pages, rows)
+    if isinstance(cache, CompactsInPlace):
+        page_table = torch.zeros_like(rows.pages)
+        for h, head_pages in enumerate(new_pages):
+            page_table[h, : head_pages.numel()] = head_pages
+        cache.compact(
+            tokens.addresses, tokens.live.sum(-1), kept.clamp(min=0), counts, page_table, rows.moments
+        )
+        rows.pages.copy_(page_table)
+        for h, count in enumerate(counts_list):
+            rows.positions[h, :count] = tokens.positions[h, kept[h, :count]]
+    else:
+        if rows.moments is not None:
+            rows.moments.fold_(tokens.keys, tokens.values, tokens.live & ~kept_mask(kept, tokens.live))
+        write_kept(cache, tokens, kept, counts_list, new_pages, rows)
     rows.lens.copy_(counts.to(rows.lens.dtype))
     used = sum(p.numel() for p in new_pages)
     observer.released(cache, Released(

@@ -12,13 +12,26 @@ hook and has no debug branch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
 from vllm_kvevict.schedule import cdiv
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
+
+
+@runtime_checkable
+class PoisonableCache(Protocol):
+    """The writes the check makes besides the engine's (both backends' caches have them)."""
+
+    def clear_slots(self, slots: torch.Tensor) -> None:
+        """Zeros into the flat slot ids ``slots`` (``block * bs + offset``), every head."""
+
+    def poison_pages(self, pages: torch.Tensor) -> None:
+        """NaN into the head-pages ``pages``."""
+
+    def poison_standard_prefix(self, block: int, num_slots: int) -> None:
+        """NaN into the first ``num_slots`` slots of ``block``, every head, K and V."""
 
 
 class StepObserver(EvictionObserver):
@@ -32,7 +45,7 @@ class StepObserver(EvictionObserver):
     def step_planned(self) -> None:
         """Every request of the step is planned."""
 
-    def layer_started(self, layer_index: int, kv_cache: torch.Tensor, cache: HeadPagedCache) -> None:
+    def layer_started(self, layer_index: int, kv_cache: torch.Tensor, cache: Any) -> None:
         """Before a layer's attention (after vLLM wrote the step's tokens)."""
 
     def layer_finished(self, output: torch.Tensor) -> None:
@@ -66,7 +79,7 @@ class PoisonFreedBlocks(StepObserver):
         tails, self._tail_slots = self._tail_slots, []
         self.unwritten_tail_slots = torch.cat(tails) if tails else None
 
-    def layer_started(self, layer_index: int, kv_cache: torch.Tensor, cache: HeadPagedCache) -> None:
+    def layer_started(self, layer_index: int, kv_cache: torch.Tensor, cache: Any) -> None:
         self.kv_caches.setdefault(layer_index, kv_cache)
         if self.unwritten_tail_slots is not None:
             # vLLM's kernel reads a request's last block whole and masks the
@@ -80,7 +93,7 @@ class PoisonFreedBlocks(StepObserver):
         self.counters.nan_outputs += int(torch.isnan(out).any(dim=-1).sum())
 
     def released(self, cache: CacheOps, released: Released) -> None:
-        assert isinstance(cache, HeadPagedCache)
+        assert isinstance(cache, PoisonableCache)
         if released.unused_pages is not None:
             cache.poison_pages(released.unused_pages)
         for block, num_slots in released.partial_blocks:

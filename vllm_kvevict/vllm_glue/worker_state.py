@@ -168,15 +168,18 @@ class WorkerEvictionState:
         for moments in self.moments:
             moments.reset(row)
 
-    def global_kv(self, layer_index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def global_kv(
+        self, layer_index: int, kv_cache: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, int]:
         """Every layer's cache as one tensor of blocks, and where layer ``layer_index``'s start.
 
         vLLM 0.32 places all layers in one allocation (``allocate_kv_cache``),
-        each a dense ``[num_blocks, H, 2 * bs, D]`` view at its own offset, so
-        block ``b`` of that layer is block ``offset + b`` of the whole.
+        each a dense ``[num_blocks, ...]`` view (the backend's view of a
+        block, ``H`` head-pages of ``block_size`` tokens) at its own offset,
+        so block ``b`` of that layer is block ``offset + b`` of the whole.
         """
-        num_blocks, num_heads, page, head_dim = kv_cache.shape
-        block_elems = num_heads * page * head_dim
+        num_blocks, num_heads = kv_cache.shape[:2]
+        block_elems = kv_cache[0].numel()
         offset = kv_cache.storage_offset()
         if not kv_cache.is_contiguous() or offset % block_elems:
             raise RuntimeError(
@@ -188,9 +191,9 @@ class WorkerEvictionState:
             total = storage.nbytes() // kv_cache.element_size() // block_elems
             flat = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
             flat.set_(storage, 0, (total * block_elems,))
-            self.global_cache = flat.view(total, num_heads, page, head_dim)
+            self.global_cache = flat.view(total, *kv_cache.shape[1:])
             self.log_beta_pages = torch.zeros(
-                total * num_heads, page // 2, dtype=torch.float32, device=kv_cache.device
+                total * num_heads, block_size, dtype=torch.float32, device=kv_cache.device
             )
             self.layer_block_offset = {}
             self._count_side_buffers()

@@ -1,0 +1,191 @@
+"""The Triton path inside vLLM on CPU: ``attention_kernel: triton``.
+
+The CUDA backend's path (new tokens written by torch indexing into vLLM's
+logical cache view, attention by the Triton kernel over per-head page tables
+with the MomentKV moments in the same pass, compaction by the Triton kernel)
+served by vLLM's CPU platform, the kernels under Triton's interpreter
+(``TRITON_INTERPRET=1`` in the engine's environment from the start).
+
+For each storage, greedy fp32 token ids equal both the native CPU path (C++
+kernels, vLLM's page order) and the transformers reference decoder applying
+the same eviction: SnapKV (slots), AdaKV+SnapKV (head pages), MomentKV (the
+correction on) and the learned policy (global eviction, with seeded random
+gates) on the tiny random Llama. Every run is in the
+isolation check's poison mode: no attention output holds NaN, and blocks went
+back to vLLM's pool during the requests.
+
+The engines run in one subprocess (this file, run as a script) so the
+interpreter is on before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_SIZE = 32
+POOL_BLOCKS = 160  # above the 128 blocks of one max_model_len request
+MAX_TOKENS = 20
+PROMPT_TOKENS = 600  # budget 256: evicted at the prompt's end (or per chunk) and once in decode
+EVICTION = {"budget": 256, "decode_interval": 16}
+GATES = "GATES_DIR"  # replaced by the folder of the seeded gates
+# case: eviction settings
+CASES = {
+    "snapkv-slots": {"policy": "snapkv", **EVICTION},
+    "adakv-head-pages": {"policy": "snapkv", **EVICTION, "head_budget": "adaptive"},
+    "momentkv": {"policy": "momentkv", **EVICTION},
+    "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
+}
+KERNELS = ("native", "triton")
+ENGINE_TIMEOUT_S = 1500
+
+
+def _block_bytes(model_dir: str) -> int:
+    """One block: K and V of every layer and KV head, fp32."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
+
+
+def _settings(case: str, gates_dir: str) -> dict:
+    eviction = dict(CASES[case])
+    if "policy_options" in eviction:
+        eviction["policy_options"] = {"gates": gates_dir}
+    return eviction
+
+
+def seeded_gates(model_dir: str, out: Path) -> str:
+    """Retention gates for the tiny model drawn from a seeded generator, with
+    log β spread widely enough that the global ranking differs across layers."""
+    import torch
+
+    from vllm_kvevict.policies.gate_checkpoints import save_gates
+    from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    generator = torch.Generator().manual_seed(1234)
+    gates = RetentionGates(RetentionGateConfig(
+        config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"],
+        width=16, bias_init=3.0,
+    ))
+    with torch.no_grad():
+        for parameter in gates.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 + 3.0 * (parameter.dim() == 1))
+    save_gates(out, gates, {})
+    return str(out)
+
+
+def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str) -> dict:
+    """Every case with each kernel, one engine at a time: token ids and stats."""
+    from vllm import LLM, SamplingParams
+
+    results: dict = {}
+    for name in CASES:
+        for kernel in KERNELS:
+            stats_path = Path(out_dir) / f"stats-{name}-{kernel}.json"
+            os.environ["KVEVICT_STATS_PATH"] = str(stats_path)
+            start = time.monotonic()
+            llm = LLM(
+                model_dir,
+                dtype="float32",
+                max_model_len=4096,
+                block_size=BLOCK_SIZE,
+                max_num_batched_tokens=512,
+                max_num_seqs=4,
+                enforce_eager=True,
+                seed=0,
+                kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(model_dir) + 4096,
+                additional_config={"kv_eviction": {**_settings(name, gates_dir), "attention_kernel": kernel}},
+            )
+            outputs = llm.generate(
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+            )
+            # One more step tells the worker the request finished (it frees
+            # and poisons the request's blocks then).
+            llm.generate([{"prompt_token_ids": prompt[:8]}], SamplingParams(max_tokens=1))
+            time.sleep(1.0)
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            results[f"{name}/{kernel}"] = {
+                "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+                "engine": json.loads(stats_path.read_text()),
+                "worker": json.loads(Path(f"{stats_path}.worker0").read_text()),
+                "seconds": time.monotonic() - start,
+            }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from vllm_kvevict.evaluation.tasks import needle_prompt
+    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+
+    tiny = str(fetch_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    prompt = tokenizer(needle_prompt(tokenizer, 2718, target_tokens=PROMPT_TOKENS)).input_ids
+    work = tmp_path_factory.mktemp("triton_path")
+    gates_dir = seeded_gates(tiny, work / "gates")
+    request, result = work / "request.json", work / "result.json"
+    request.write_text(json.dumps({"model_dir": tiny, "prompt": prompt, "gates_dir": gates_dir,
+                                   "out_dir": str(work), "result": str(result)}))
+    env = dict(
+        os.environ,
+        PYTHONSAFEPATH="1",  # the repo's triton_kernels/ must not shadow vLLM's
+        TRITON_INTERPRET="1",  # before Triton is first imported
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        KVEVICT_POISON_FREED_BLOCKS="1",
+    )
+    log = work / "engines.log"
+    with open(log, "w") as handle:
+        proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
+                              stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-60:])
+        pytest.fail(f"engines exited with {proc.returncode}; log tail:\n{tail}")
+    results = json.loads(result.read_text())
+    for key, run in results.items():
+        print(f"\n{key}: {run['seconds']:.0f} s")
+    return tiny, prompt, gates_dir, results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_path_tokens_equal_native_and_reference(runs, case):
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.reference import ReferenceEvictingDecoder
+
+    model_dir, prompt, gates_dir, results = runs
+    native, triton = results[f"{case}/native"]["tokens"][0], results[f"{case}/triton"]["tokens"][0]
+    expected = ReferenceEvictingDecoder(
+        model_dir, build_config(_settings(case, gates_dir)), block_size=BLOCK_SIZE, chunk_size=512
+    ).generate(prompt, MAX_TOKENS)
+    assert native == expected, f"{case}: native path"
+    assert triton == expected, f"{case}: triton path"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_path_frees_blocks_and_reads_none_it_gave_back(runs, case):
+    *_, results = runs
+    for kernel in KERNELS:
+        run = results[f"{case}/{kernel}"]
+        assert run["worker"]["nan_outputs"] == 0, f"{case} {kernel}: an output read a poisoned block"
+        assert run["worker"]["blocks_poisoned"] > 0, f"{case} {kernel}: poison mode was off"
+        assert run["engine"]["blocks_freed_by_eviction"] > 0, f"{case} {kernel}: no block freed"
+    # Both paths hold the same blocks: the scheduler's accounting follows the schedule.
+    assert (results[f"{case}/native"]["engine"]["blocks_freed_by_eviction"]
+            == results[f"{case}/triton"]["engine"]["blocks_freed_by_eviction"])
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = run_engines(spec["model_dir"], spec["prompt"], spec["gates_dir"], spec["out_dir"])
+    Path(spec["result"]).write_text(json.dumps(out))

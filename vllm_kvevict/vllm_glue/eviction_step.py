@@ -1,0 +1,581 @@
+"""What every evicting attention backend shares: the step plan, built once per
+step by the metadata builder, and the per-layer forward that runs the
+eviction engine.
+
+A backend (``cpu_backend``, ``gpu_backend``) subclasses vLLM's metadata
+builder and Impl for its platform and mixes in :class:`EvictingBuilder` and
+:class:`EvictingImpl`; it supplies the cache operations and the attention
+kernels (:class:`EvictingImpl`'s ``_`` hooks). The builder turns the
+scheduler's batch into one :class:`EvictionStepPlan` per step (the eviction
+points each request reaches, from :mod:`vllm_kvevict.schedule`); the Impl
+runs, per layer:
+
+* attention over each request's live tokens;
+* at each eviction point, after the attention of the tokens before it, the
+  eviction engine (:mod:`vllm_kvevict.eviction`) on this layer's cache; the
+  tokens of the step after the point then attend over what it left. Within
+  one layer that is exact: the layer's queries, keys and values depend only
+  on the layer below, so the request's output is the same as if the scheduler
+  had cut its steps at the points. The scheduler frees the blocks below the
+  new frontier once the step's output is in.
+
+RoPE positions stay true: only what attention reads changes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
+from vllm_kvevict.eviction.cache_ops import CacheOps
+from vllm_kvevict.eviction.global_pages import compact_global
+from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages
+from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, observation_queries
+from vllm_kvevict.eviction.select import KeepRule
+from vllm_kvevict.eviction.slots import evict_slots
+from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
+from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs
+from vllm_kvevict.schedule import EvictionSchedule
+from vllm_kvevict.vllm_glue.gate_capture import current_capture
+from vllm_kvevict.vllm_glue.isolation_check import PoisonFreedBlocks, StepObserver
+from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
+from vllm_kvevict.vllm_glue.runner_hooks import (
+    BatchContext,
+    install_runner_hooks,
+    layer_neighbours,
+    on_requests_finished,
+)
+from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
+from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
+from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+
+Storage = Literal["slots", "head_pages", "global"]
+Kernel = Literal["native", "torch", "triton"]
+
+# The worker's VllmConfig, remembered when the attention layers are built:
+# vLLM asks customize_spec() later, outside any set_current_vllm_config().
+_worker_vllm_config: VllmConfig | None = None
+
+
+def remember_worker_config() -> None:
+    global _worker_vllm_config
+    _worker_vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
+
+
+def worker_vllm_config() -> VllmConfig | None:
+    return get_current_vllm_config_or_none() or _worker_vllm_config
+
+
+def active_config(vllm_config: VllmConfig | None = None) -> EvictionConfig | None:
+    vllm_config = vllm_config or worker_vllm_config()
+    if vllm_config is None:
+        return None
+    return config_from_additional(vllm_config.additional_config)
+
+
+def metric_labels(vllm_config: VllmConfig, config: EvictionConfig) -> dict[str, str]:
+    """The labels of every kvevict_ series, as vLLM labels its own."""
+    name = vllm_config.model_config.served_model_name
+    return {
+        "model_name": name if isinstance(name, str) else str(name[0]),
+        "engine": str(vllm_config.parallel_config.data_parallel_rank),
+        "policy": config.policy,
+    }
+
+
+def evicting_spec(spec: AttentionSpec) -> AttentionSpec:
+    """A backend's ``customize_spec``: the full-attention spec made evicting
+    when eviction is on."""
+    vllm_config = worker_vllm_config()
+    config = active_config(vllm_config)
+    if config is None:
+        return spec
+    if not is_plain_full_attention(spec):
+        raise KVEvictionConfigError(
+            f"--kv-eviction supports full-attention decoder layers only, and this model "
+            f"has {type(spec).__name__} layers; serve it without --kv-eviction"
+        )
+    assert vllm_config is not None
+    config.check_block_size(spec.block_size)
+    return EvictingAttentionSpec.from_full_attention(
+        spec,
+        config.schedule(spec.block_size, vllm_config.scheduler_config.max_num_batched_tokens),
+        max_step_tokens=vllm_config.max_in_flight_tokens,
+        metric_labels=tuple(metric_labels(vllm_config, config).items()),
+    )
+
+
+@dataclass
+class EvictionStepPlan:
+    """Per-step eviction work, built once and shared by every layer."""
+
+    rule: KeepRule
+    storage: Storage
+    kernel: Kernel
+    schedule: EvictionSchedule
+    state: WorkerEvictionState
+    observer: StepObserver
+    layer_index: dict[str, int]
+    layer_names: list[str]  # by layer index
+    kv_head_replicas: int  # ranks holding a copy of each of this rank's KV heads
+    first_replica_rank: int
+    block_table: torch.Tensor  # unshifted, [num_reqs, max_blocks], on the cache's device
+    query_start: list[int]
+    seq_lens: list[int]
+    frontier_before: list[int]
+    evictions: list[EvictionPoint]  # per request, in point order
+    ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
+    ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
+    state_rows: torch.Tensor  # [num_reqs] each request's state row
+    region_start: torch.Tensor  # [num_reqs] head_pages: standard region start at step start
+    local_kv_heads: torch.Tensor  # this rank's KV heads among the model's
+    backend_data: Any = None  # what the backend's kernels need (the CPU page layout)
+    num_evictions: int = 0  # (request, point) pairs that drop tokens
+    eviction_seconds: float = 0.0  # summed over layers as they run
+
+    @property
+    def max_region_len(self) -> int:
+        """A host-side bound on any head's live tokens in this step (compacted + standard)."""
+        state = self.state
+        compacted = state.max_head_pages * self.schedule.block_size if self.storage != "slots" else 0
+        return compacted + max(
+            (n - f for n, f in zip(self.seq_lens, self.frontier_before)), default=0
+        )
+
+
+def host_seq_lens(cm: CommonAttentionMetadata) -> list[int]:
+    """Each request's length after the step, without a device sync where vLLM
+    keeps a host copy (exact without speculative decoding, which eviction
+    refuses)."""
+    upper_bound = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if upper_bound is not None:
+        return upper_bound[: cm.num_reqs].tolist()
+    return cm.seq_lens.cpu().tolist()
+
+
+class EvictingBuilder:
+    """Mixed into a backend's metadata builder: eviction state and the step plan."""
+
+    config: EvictionConfig | None = None
+
+    def init_eviction(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+        num_q_heads: int,
+        kernel: Kernel,
+    ) -> bool:
+        """Set up eviction for an evicting spec; False (nothing set) otherwise."""
+        if not isinstance(kv_cache_spec, EvictingAttentionSpec):
+            return False
+        config = active_config(vllm_config)
+        assert config is not None
+        self.config = config
+        self.kernel: Kernel = kernel
+        self.rule = KeepRule.from_config(config)
+        policy = self.rule.policy
+        self.schedule = kv_cache_spec.schedule
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.head_paged = config.uses_head_pages
+        self.global_eviction = config.head_budget == "global"
+        self.storage: Storage = (
+            "global" if self.global_eviction else "head_pages" if self.head_paged else "slots"
+        )
+        max_head_pages = 0
+        if self.head_paged:
+            # After an eviction a request's compacted tokens fill the blocks
+            # [F, P // bs); one head may take every head-page they hold (with
+            # global eviction, those of every layer, but never more than a
+            # whole sequence).
+            streams = kv_cache_spec.num_kv_heads * (len(layer_names) if self.global_eviction else 1)
+            max_head_pages = self.schedule.max_head_pages(
+                streams, vllm_config.model_config.max_model_len if self.global_eviction else None
+            )
+        retained_capacity = self.schedule.retained_capacity(max_head_pages)
+        self.state = WorkerEvictionState(
+            num_layers=len(layer_names),
+            num_kv_heads=kv_cache_spec.num_kv_heads,
+            num_q_heads=num_q_heads,
+            head_dim=kv_cache_spec.head_size,
+            retained_capacity=retained_capacity,
+            query_window=config.observation_window if policy.needs_queries else 0,
+            query_dtype=vllm_config.model_config.dtype,
+            device=device,
+            max_head_pages=max_head_pages,
+            moment_correction=config.moment_correction,
+            moment_covariance=config.moment_covariance,
+        )
+        self.observer = (
+            PoisonFreedBlocks(kv_cache_spec.block_size, self.state.counters)
+            if config.poisons_freed_blocks else StepObserver()
+        )
+        rank, world_size = _tensor_parallel_layout()
+        # With more ranks than KV heads vLLM replicates each KV head on
+        # consecutive ranks (see _whole_query_group); fixed for the worker's life.
+        total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.kv_head_replicas = max(1, world_size // total_kv_heads)
+        if policy.needs_output_projection and self.kv_head_replicas > 1:
+            raise KVEvictionConfigError(
+                f"policy {config.policy!r} reads each query head's output projection, and "
+                f"with tensor parallel size {world_size} above the model's {total_kv_heads} "
+                "KV heads a rank holds only part of a KV head's query heads; use a tensor "
+                f"parallel size of at most {total_kv_heads}"
+            )
+        self.first_replica_rank = rank // self.kv_head_replicas * self.kv_head_replicas
+        # With global eviction each rank ranks its own KV heads' streams.
+        num_local = kv_cache_spec.num_kv_heads
+        self.local_kv_heads = torch.arange(num_local) + rank // self.kv_head_replicas * num_local
+        # Every rank applies the same evictions: rank 0 alone reports them (a
+        # series exported twice with the same labels would be invalid), each
+        # rank its own side buffers.
+        self.state.metrics = ProcessMetrics(
+            f"engine{vllm_config.parallel_config.data_parallel_rank}-worker{rank}",
+            {k: v for k, v in WORKER_METRICS.items() if rank == 0 or "rank" in v.labels},
+            metric_labels(vllm_config, config),
+        )
+        self.state.counts_evictions = rank == 0
+        self.state.publish_side_buffers(str(rank))
+        stats_path = os.environ.get(STATS_PATH_ENV)
+        if stats_path:
+            self.state.snapshot = SnapshotWriter(f"{stats_path}.worker{rank}")
+            self.state.write_snapshot(force=True)
+        install_runner_hooks()
+        on_requests_finished(self.state.release)
+        on_requests_finished(self.observer.requests_released)
+        return True
+
+    def segment_backend_data(
+        self, cm: CommonAttentionMetadata, batch_index: int, first_token: int,
+        start: int, end: int, frontier: int,
+    ) -> Any:
+        """What the backend needs to attend one request's tokens ``[start,
+        end)`` over ``[frontier, end)`` after an eviction point; stored in the
+        point's ``backend_data``. None by default."""
+        return None
+
+    def plan_step(
+        self, cm: CommonAttentionMetadata, batch: BatchContext, backend_data: Any = None
+    ) -> EvictionStepPlan:
+        """The step's eviction points, side-buffer rows and standard regions."""
+        schedule = self.schedule
+        query_start = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        seq_lens = host_seq_lens(cm)
+        window = self.state.query_window
+        frontier_before: list[int] = []
+        evictions: list[EvictionPoint] = []
+        ring_tokens: list[torch.Tensor] = []
+        ring_slots: list[torch.Tensor] = []
+        rows: list[int] = []
+        region_starts: list[int] = []
+        for i, req_id in enumerate(batch.req_ids):
+            prompt_len = int(batch.prompt_lens[i])
+            n_after = seq_lens[i]
+            n_before = n_after - (query_start[i + 1] - query_start[i])
+            frontier = schedule.frontier(n_before, prompt_len)
+            frontier_before.append(frontier)
+            row = self.state.row(req_id)
+            rows.append(row)
+            region = int(self.state.region_start[row]) if self.head_paged else 0
+            region_starts.append(region)
+            points = schedule.eviction_points_in_step(n_before, n_after, prompt_len)
+            last_point = schedule.last_eviction_point(n_before, prompt_len)
+            for k, point in enumerate(points):
+                frontier_after = schedule.frontier_at_point(point)
+                segment_end = points[k + 1] if k + 1 < len(points) else n_after
+                compacts = frontier_after > frontier
+                segment_data = None
+                if segment_end > point:
+                    segment_data = self.segment_backend_data(
+                        cm, i, query_start[i] + point - n_before, point, segment_end, frontier_after
+                    )
+                evictions.append(
+                    EvictionPoint(
+                        request_id=req_id,
+                        batch_index=i,
+                        state_row=row,
+                        query_start=query_start[i],
+                        tokens_before=n_before,
+                        last_point_before=last_point,
+                        frontier_before=frontier,
+                        point=point,
+                        frontier_after=frontier_after,
+                        segment_end=segment_end,
+                        compacts=compacts,
+                        region_start=region,
+                        backend_data=segment_data,
+                    )
+                )
+                last_point, frontier = point, frontier_after
+                if compacts:
+                    region = point
+            if self.head_paged:
+                self.state.region_start[row] = region
+                record = self.state.last_compaction.setdefault(req_id, {})
+                record["tokens"] = n_after
+            self.state.retained_tokens[req_id] = n_after - frontier
+            self.observer.request_planned(req_id, cm.block_table_tensor[i], frontier, n_after)
+            if window:
+                first = max(n_before, n_after - window)
+                positions = torch.arange(first, n_after)
+                ring_tokens.append(query_start[i] + positions - n_before)
+                ring_slots.append(row * window + positions % window)
+
+        self.observer.step_planned()
+        device = self.state.device
+        return EvictionStepPlan(
+            rule=self.rule,
+            storage=self.storage,
+            kernel=self.kernel,
+            schedule=schedule,
+            state=self.state,
+            observer=self.observer,
+            layer_index=self.layer_index,
+            layer_names=list(self.layer_index),
+            kv_head_replicas=self.kv_head_replicas,
+            first_replica_rank=self.first_replica_rank,
+            block_table=cm.block_table_tensor,
+            query_start=query_start,
+            seq_lens=seq_lens,
+            frontier_before=frontier_before,
+            evictions=evictions,
+            ring_tokens=torch.cat(ring_tokens).to(device) if ring_tokens else None,
+            ring_slots=torch.cat(ring_slots).to(device) if ring_slots else None,
+            state_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            region_start=torch.tensor(region_starts, dtype=torch.int64, device=device),
+            local_kv_heads=self.local_kv_heads.to(device),
+            backend_data=backend_data,
+            num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),
+        )
+
+
+class EvictingImpl:
+    """Mixed into a backend's attention Impl: a layer's forward with eviction.
+
+    The backend supplies :meth:`_layer_cache` (the engine's cache operations
+    on vLLM's view of one layer's cache), :meth:`_pool_cache` (the same on
+    every layer's blocks as one pool, for global eviction), :meth:`_attend_step`
+    (every token of the step over its request's live tokens),
+    :meth:`_attend_segment` (the tokens after an eviction point) and
+    :meth:`_attend_head_pages` (the head-paged kernel, for global eviction).
+    """
+
+    scale: float
+    head_size: int
+    num_heads: int
+
+    def init_eviction(self) -> None:
+        remember_worker_config()
+        # What this layer's policy reads from the model, found at first use.
+        self._rotary: RotaryFrequencies | None = None
+        self._output_projection: torch.Tensor | None = None
+
+    # Backend hooks.
+
+    def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
+        raise NotImplementedError
+
+    def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
+        """Cache operations on ``blocks``, every layer's blocks in the layout
+        of ``_layer_cache(...).kv_cache``."""
+        raise NotImplementedError
+
+    def _attend_step(
+        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        cache: CacheOps, attn_metadata: Any, output: torch.Tensor,
+    ) -> None:
+        raise NotImplementedError
+
+    def _attend_segment(
+        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        cache: CacheOps, output: torch.Tensor,
+    ) -> None:
+        raise NotImplementedError
+
+    def _attend_head_pages(
+        self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: CacheOps,
+        output: torch.Tensor, query_start: list[int], seq_lens: list[int], requests: slice,
+        region_start: torch.Tensor, block_offset: int = 0,
+    ) -> None:
+        raise NotImplementedError
+
+    # The forward.
+
+    def forward_evicting(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        layer_index = plan.layer_index[layer.layer_name]
+        state, num_tokens = plan.state, plan.query_start[-1]
+        cache = self._layer_cache(layer, kv_cache, plan)
+        plan.observer.layer_started(layer_index, kv_cache, cache)
+        if plan.storage == "global":
+            self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
+        else:
+            self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
+        started = time.perf_counter()
+        for ev in plan.evictions:
+            if plan.storage == "slots":
+                counts = evict_slots(
+                    cache, plan.rule, ev, state.positions[layer_index, ev.state_row],
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                    layer_index, plan.observer,
+                )
+                if counts is not None:
+                    state.observe_head_retained(counts)
+            elif plan.storage == "head_pages" and ev.compacts:
+                counts = compact_head_pages(
+                    cache, plan.rule, ev, state.stream_rows(layer_index, ev.state_row),
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                    layer_index, plan.observer,
+                )
+                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+            else:
+                continue  # global: the step's end ranks every layer; nothing moves here
+            if ev.segment_end > ev.point:
+                self._attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
+        if plan.storage == "global" and layer_index == state.num_layers - 1:
+            self._compact_global(plan)
+        plan.eviction_seconds += time.perf_counter() - started
+        plan.observer.layer_finished(output[:num_tokens])
+        if layer_index == len(plan.layer_index) - 1:
+            state.end_step(plan.num_evictions, plan.eviction_seconds)
+        if plan.ring_tokens is not None:
+            ring = state.query_ring[layer_index]
+            ring.view(-1, *ring.shape[2:]).index_copy_(
+                0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
+            )
+        return output
+
+    def _scoring_inputs(
+        self, plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
+    ) -> ScoringInputsFor:
+        """What the policy scores with at ``ev``: the observation queries and
+        the model parts it asks for, around the tokens the engine gathers."""
+        policy, name = plan.rule.policy, plan.layer_names[layer_index]
+        queries = query_positions = None
+        if policy.needs_queries:
+            ring = plan.state.query_ring[layer_index, ev.state_row]
+            queries, query_positions = observation_queries(ring, query, ev)
+            if plan.kv_head_replicas > 1:
+                queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
+        if policy.needs_rotary and self._rotary is None:
+            self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
+        if policy.needs_output_projection and self._output_projection is None:
+            self._output_projection = output_projection_slices(
+                layer_neighbours(name), name, self.num_heads, self.head_size
+            )
+        rotary = self._rotary if policy.needs_rotary else None
+        projection = self._output_projection if policy.needs_output_projection else None
+
+        def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:
+            return ScoringInputs(
+                keys, values, positions, queries, query_positions, self.scale, evicted,
+                rotary=rotary, output_projection=projection,
+            )
+
+        return inputs
+
+    def _global_forward(
+        self,
+        plan: EvictionStepPlan,
+        layer: AttentionLayer,
+        layer_index: int,
+        query: torch.Tensor,
+        cache: Any,
+        attn_metadata: Any,
+        output: torch.Tensor,
+    ) -> None:
+        """head_budget global: store this step's log β and attend over the
+        layer's page tables (pages of any layer). Every layer is ranked
+        together after the last one, at the step's last compacting point
+        (DBTrimKV compresses between forward passes): tokens of the step after
+        an earlier point attend to the uncompacted cache, which the request
+        holds during the step anyway, and the blocks freed are the schedule's."""
+        state, bs = plan.state, plan.schedule.block_size
+        whole, offset = state.global_kv(layer_index, cache.kv_cache, bs)
+        num_tokens = plan.query_start[-1]
+        if plan.rule.policy.needs_log_beta:
+            capture = current_capture()
+            if capture is None:
+                raise RuntimeError("policy 'learned' is serving, but no retention gates were loaded")
+            log_beta = capture.take(layer.layer_name, num_tokens)[:, plan.local_kv_heads]
+            slots = attn_metadata.slot_mapping[:num_tokens].long()
+            pages = block_head_pages(offset + slots // bs, cache.num_heads).view(num_tokens, -1)
+            state.log_beta_pages[pages.long(), (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
+            if layer_index == state.num_layers - 1:
+                capture.pending.clear()  # what vLLM's dummy runs left behind
+        self._attend_head_pages(
+            plan, layer_index, query[:num_tokens], self._pool_cache(whole, plan),
+            output[:num_tokens], plan.query_start, plan.seq_lens, slice(None), plan.region_start, offset,
+        )
+
+    def _compact_global(self, plan: EvictionStepPlan) -> None:
+        """Each request's last compacting point of the step, over every layer."""
+        state = plan.state
+        assert state.global_cache is not None
+        cache = self._pool_cache(state.global_cache, plan)
+        last: dict[int, EvictionPoint] = {ev.batch_index: ev for ev in plan.evictions if ev.compacts}
+        for i, ev in last.items():
+            per_layer = compact_global(
+                cache, plan.rule, ev,
+                [state.stream_rows(layer_index, ev.state_row) for layer_index in range(state.num_layers)],
+                [state.layer_block_offset[layer_index] for layer_index in range(state.num_layers)],
+                state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
+                plan.frontier_before[i], self.scale, plan.observer,
+            )
+            for layer_index, counts in enumerate(per_layer):
+                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+
+
+def _tensor_parallel_layout() -> tuple[int, int]:
+    """(rank, world size) of tensor parallelism; (0, 1) outside a worker."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):  # no model-parallel group (unit use)
+        return 0, 1
+
+
+def _whole_query_group(
+    queries: torch.Tensor, replicas: int, first_replica_rank: int
+) -> torch.Tensor:
+    """This rank's observation queries, ``[Hq_local, W, D]``, completed to every
+    query head that shares its KV head.
+
+    With more ranks than KV heads vLLM replicates each KV head on ``r`` ranks,
+    and each replica holds only ``G / r`` of the ``G`` query heads that attend
+    to it. A query-based policy scoring with those alone would keep different
+    tokens on each replica (and not those of TP=1). The replicas of one KV head
+    are consecutive ranks holding consecutive query heads, so gathering them
+    rebuilds the group in order. Every rank runs the same evictions in the
+    same order (they follow from the scheduler's output), so the collective
+    cannot deadlock.
+    """
+    from vllm.distributed import get_tp_group
+
+    gathered = get_tp_group().all_gather(queries.contiguous(), dim=0)  # [Hq_total, W, D]
+    local = queries.shape[0]
+    return gathered[first_replica_rank * local : (first_replica_rank + replicas) * local]

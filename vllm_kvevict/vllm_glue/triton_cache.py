@@ -1,0 +1,168 @@
+"""The eviction engine's cache operations on vLLM's logical KV cache view,
+for the Triton kernels (CUDA, or CPU under Triton's interpreter).
+
+Every attention layer sees its cache as ``[num_blocks, H, block_size, 2 * D]``
+(``vllm/v1/kv_cache_interface.py``): key then value of each token; the
+physical order behind that view (``LBHNC`` or ``LBNHC``) only changes its
+strides. ``kv_cache[..., :D]`` and ``kv_cache[..., D:]`` are the logical
+``[num_blocks, H, block_size, D]`` key and value caches the Triton kernels
+address through their strides. Head-page ``b * H + s`` is ``cache[b, s]``,
+whether it holds standard slots or compacted tokens: one layout for both, so
+the engine's flat token addresses (``head_page * bs + offset``) name any token.
+
+Reads and writes are torch indexing; compaction is the Triton kernel
+(:func:`~vllm_kvevict.triton_kernels.compact_head_pages.compact_head_pages`),
+which moves kept tokens on the device and folds the evicted ones into
+MomentKV's moments in the same launch sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.eviction.cache_ops import CacheOps
+from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.schedule import cdiv
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
+
+
+@dataclass
+class TritonPagedCache(CacheOps):
+    """:class:`~vllm_kvevict.eviction.cache_ops.CacheOps` (with in-place
+    compaction) over one logical ``[num_blocks, H, bs, 2 * D]`` cache: one
+    layer's, or every layer's as one pool of blocks."""
+
+    kv_cache: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_cache.shape[-1] // 2
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        """``[num_blocks, H, bs, D]``, a strided view."""
+        return self.kv_cache[..., : self.head_dim]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self.kv_cache[..., self.head_dim :]
+
+    @property
+    def num_heads(self) -> int:
+        return self.kv_cache.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[2]
+
+    def _page_locations(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = pages.long().to(self.kv_cache.device)
+        return pages // self.num_heads, pages % self.num_heads
+
+    def read_slots(
+        self, block_row: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standard slots ``[start, end)`` of every head, ``([H, n, D], [H, n, D])``."""
+        bs, num_heads, head_dim = self.block_size, self.num_heads, self.head_dim
+        blocks = block_row[start // bs : cdiv(end, bs)].long().to(self.kv_cache.device)
+        pages = self.kv_cache[blocks]  # [nb, H, bs, 2D]
+        tokens = pages.permute(1, 0, 2, 3).reshape(num_heads, -1, 2 * head_dim)
+        tokens = tokens[:, start % bs : start % bs + end - start]
+        return tokens[..., :head_dim], tokens[..., head_dim:]
+
+    def write_slots(
+        self, block_row: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write ``keys, values [H, n, D]`` to slots ``[start, start + n)``."""
+        bs = self.block_size
+        slots = torch.arange(start, start + keys.shape[1], device=self.kv_cache.device)
+        blocks = block_row.to(self.kv_cache.device)[slots // bs].long()
+        offsets = slots % bs
+        # Advanced indices around a slice: the result is [n, H, D].
+        self.key_cache[blocks, :, offsets] = keys.transpose(0, 1).to(self.kv_cache.dtype)
+        self.value_cache[blocks, :, offsets] = values.transpose(0, 1).to(self.kv_cache.dtype)
+
+    def read_pages(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of the head-pages ``pages``, ``([length, D], [length, D])``."""
+        blocks, heads = self._page_locations(pages[: cdiv(length, self.block_size)])
+        tokens = self.kv_cache[blocks, heads].reshape(-1, 2 * self.head_dim)[:length]
+        return tokens[:, : self.head_dim], tokens[:, self.head_dim :]
+
+    def write_pages(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``n`` tokens into the head-pages ``pages`` (``cdiv(n, bs)`` of
+        them), in order; the rest of the last page is zeroed."""
+        num_tokens, head_dim = keys.shape
+        bs = self.block_size
+        num_pages = cdiv(num_tokens, bs)
+        tokens = keys.new_zeros(num_pages * bs, 2 * head_dim, dtype=self.kv_cache.dtype)
+        tokens[:num_tokens, :head_dim] = keys
+        tokens[:num_tokens, head_dim:] = values
+        blocks, heads = self._page_locations(pages[:num_pages])
+        self.kv_cache[blocks, heads] = tokens.view(num_pages, bs, 2 * head_dim)
+
+    def compact(
+        self,
+        addresses: torch.Tensor,
+        live_lens: torch.Tensor,
+        kept: torch.Tensor,
+        kept_lens: torch.Tensor,
+        page_table: torch.Tensor,
+        moments: EvictedMoments | None,
+    ) -> None:
+        """One request's compaction by the Triton kernel (see
+        :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
+        from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages
+
+        device = self.kv_cache.device
+        one = EvictedMoments(*(b.unsqueeze(0) for b in moments._buffers())) if moments is not None else None
+        batch = HeadPagedBatch(
+            head_page_table=page_table.to(device).unsqueeze(0).contiguous(),
+            head_lens=kept_lens.to(device=device, dtype=torch.int32).unsqueeze(0),
+            moments=one,
+            moment_rows=torch.zeros(1, dtype=torch.int32, device=device) if one is not None else None,
+        )
+        compact_head_pages(
+            self.key_cache,
+            self.value_cache,
+            addresses.to(device).unsqueeze(0).contiguous(),
+            live_lens.to(device=device, dtype=torch.int32).unsqueeze(0),
+            kept.to(device).unsqueeze(0).contiguous(),
+            batch,
+        )
+
+    # The isolation check's writes (``poison_freed_blocks``).
+
+    def clear_slots(self, slots: torch.Tensor) -> None:
+        """Zeros into the flat slot ids ``slots`` (``block * bs + offset``), every head."""
+        slots = slots.long().to(self.kv_cache.device)
+        self.kv_cache[slots // self.block_size, :, slots % self.block_size] = 0
+
+    def poison_pages(self, pages: torch.Tensor) -> None:
+        if pages.numel():
+            blocks, heads = self._page_locations(pages)
+            self.kv_cache[blocks, heads] = float("nan")
+
+    def poison_standard_prefix(self, block: int, num_slots: int) -> None:
+        """NaN into the first ``num_slots`` slots of ``block``, every head, K and V."""
+        if num_slots > 0:
+            self.kv_cache[block, :, :num_slots] = float("nan")
+
+
+def write_new_tokens(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """vLLM's cache write in torch: token ``i`` (``key, value [T, H, D]``) into
+    slot ``slot_mapping[i]`` of the logical ``[num_blocks, H, bs, 2 * D]``
+    cache; negative slots (padding) are skipped."""
+    num_tokens = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[:num_tokens][valid], value[:num_tokens][valid]
+    head_dim = key.shape[-1]
+    bs = kv_cache.shape[2]
+    blocks, offsets = slots // bs, slots % bs
+    kv_cache[blocks, :, offsets, :head_dim] = key[: slots.shape[0]].to(kv_cache.dtype)
+    kv_cache[blocks, :, offsets, head_dim:] = value[: slots.shape[0]].to(kv_cache.dtype)

@@ -1,0 +1,98 @@
+"""The Triton path of an evicting Impl: cache operations on vLLM's logical
+cache view (:class:`~vllm_kvevict.vllm_glue.triton_cache.TritonPagedCache`)
+and attention by the Triton kernel over per-(request, KV head) page tables,
+with MomentKV's moments in the same pass.
+
+One kernel serves the three storages: ``slots`` is a request with no
+compacted tokens whose standard region starts at its frontier; ``head_pages``
+and ``global`` read their page tables (global: every layer's blocks as one
+pool, the layer's block table offset into it). The CUDA backend runs it; the
+CPU backend runs it with ``attention_kernel: triton`` under Triton's
+interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionLayer
+
+from vllm_kvevict.eviction.point import EvictionPoint
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
+from vllm_kvevict.vllm_glue.eviction_step import EvictingImpl, EvictionStepPlan
+from vllm_kvevict.vllm_glue.triton_cache import TritonPagedCache
+
+
+class TritonEvictingImpl(EvictingImpl):
+    def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> TritonPagedCache:
+        return TritonPagedCache(kv_cache)
+
+    def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> TritonPagedCache:
+        return TritonPagedCache(blocks)
+
+    def _attend_step(
+        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        cache: Any, attn_metadata: Any, output: torch.Tensor,
+    ) -> None:
+        num_tokens = plan.query_start[-1]
+        if plan.storage == "slots":
+            region_start = torch.tensor(plan.frontier_before, dtype=torch.int64, device=query.device)
+        else:
+            region_start = plan.region_start
+        self._attend_head_pages(
+            plan, layer_index, query[:num_tokens], cache, output[:num_tokens],
+            plan.query_start, plan.seq_lens, slice(None), region_start,
+        )
+
+    def _attend_segment(
+        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        cache: Any, output: torch.Tensor,
+    ) -> None:
+        """The tokens after ``ev.point`` over what it left: with slots the
+        region from the new frontier, with head pages the compacted tokens
+        and the standard region from the point."""
+        tokens = ev.segment_tokens
+        region = ev.frontier_after if plan.storage == "slots" else ev.point
+        self._attend_head_pages(
+            plan, layer_index, query[tokens], cache, output[tokens],
+            [0, tokens.stop - tokens.start], [ev.segment_end],
+            slice(ev.batch_index, ev.batch_index + 1),
+            torch.tensor([region], dtype=torch.int64, device=query.device),
+        )
+
+    def _attend_head_pages(
+        self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: Any,
+        output: torch.Tensor, query_start: list[int], seq_lens: list[int], requests: slice,
+        region_start: torch.Tensor, block_offset: int = 0,
+    ) -> None:
+        from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
+
+        assert isinstance(cache, TritonPagedCache)
+        state, device = plan.state, query.device
+        rows = plan.state_rows[requests]
+        num_requests = len(seq_lens)
+        if plan.storage == "slots":  # no compacted tokens: the standard region only
+            page_table = torch.zeros(num_requests, state.num_kv_heads, 1, dtype=torch.int32, device=device)
+            head_lens = torch.zeros(num_requests, state.num_kv_heads, dtype=torch.int32, device=device)
+        else:
+            page_table = state.head_pages[layer_index].index_select(0, rows)
+            head_lens = state.head_lens[layer_index].index_select(0, rows)
+        moments = state.moments[layer_index] if state.moments else None
+        batch = HeadPagedBatch(
+            head_page_table=page_table,
+            head_lens=head_lens,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
+            region_start=region_start.to(device=device, dtype=torch.int32),
+            moments=moments,
+            moment_rows=rows.to(torch.int32) if moments is not None else None,
+        )
+        out, _ = head_paged_attention(
+            query, cache.key_cache, cache.value_cache, batch, self.scale,
+            max_seq_len=plan.max_region_len,
+        )
+        output.copy_(out.view(output.shape).to(output.dtype))
