@@ -14,7 +14,12 @@ gates) on the tiny random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
 back to vLLM's pool during the requests.
 
-The engines run in one subprocess (this file, run as a script) so the
+The CUDA backend's own classes (``gpu_backend``: vLLM's Triton metadata
+builder and Impl with ours on top, lengths from vLLM's host copies, the
+cache written with the step's host token count) are served the same way for
+two cases, put in place of the CPU backend: the same tokens again.
+
+The engines run in subprocesses (this file, run as a script) so the
 interpreter is on before Triton is first imported.
 """
 
@@ -45,6 +50,9 @@ CASES = {
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }
 KERNELS = ("native", "triton")
+# Served by the CUDA backend's classes on CPU (vLLM's CPU platform resolves
+# CPU_ATTN, so the script registers gpu_backend there).
+GPU_BACKEND_CASES = ("momentkv", "learned-global")
 ENGINE_TIMEOUT_S = 1500
 
 
@@ -82,44 +90,54 @@ def seeded_gates(model_dir: str, out: Path) -> str:
     return str(out)
 
 
-def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str) -> dict:
-    """Every case with each kernel, one engine at a time: token ids and stats."""
+def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str, backend: str) -> dict:
+    """Every case with each kernel (``backend`` cpu), or the GPU backend's
+    cases (``backend`` gpu), one engine at a time: token ids and stats."""
+    if backend == "gpu":
+        import vllm_kvevict
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        vllm_kvevict.register()
+        vllm_kvevict.gpu_backend_member()  # the enum member its get_name() returns
+        register_backend(AttentionBackendEnum.CPU_ATTN, vllm_kvevict.GPU_BACKEND)
     from vllm import LLM, SamplingParams
 
+    runs = [(name, kernel) for name in CASES for kernel in KERNELS]
+    if backend == "gpu":
+        runs = [(name, "triton") for name in GPU_BACKEND_CASES]
     results: dict = {}
-    for name in CASES:
-        for kernel in KERNELS:
-            stats_path = Path(out_dir) / f"stats-{name}-{kernel}.json"
-            os.environ["KVEVICT_STATS_PATH"] = str(stats_path)
-            start = time.monotonic()
-            llm = LLM(
-                model_dir,
-                dtype="float32",
-                max_model_len=4096,
-                block_size=BLOCK_SIZE,
-                max_num_batched_tokens=512,
-                max_num_seqs=4,
-                enforce_eager=True,
-                seed=0,
-                kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(model_dir) + 4096,
-                additional_config={"kv_eviction": {**_settings(name, gates_dir), "attention_kernel": kernel}},
-            )
-            outputs = llm.generate(
-                [{"prompt_token_ids": prompt}],
-                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-            )
-            # One more step tells the worker the request finished (it frees
-            # and poisons the request's blocks then).
-            llm.generate([{"prompt_token_ids": prompt[:8]}], SamplingParams(max_tokens=1))
-            time.sleep(1.0)
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            results[f"{name}/{kernel}"] = {
-                "tokens": [list(out.outputs[0].token_ids) for out in outputs],
-                "engine": json.loads(stats_path.read_text()),
-                "worker": json.loads(Path(f"{stats_path}.worker0").read_text()),
-                "seconds": time.monotonic() - start,
-            }
+    for name, kernel in runs:
+        stats_path = Path(out_dir) / f"stats-{name}-{kernel}-{backend}.json"
+        os.environ["KVEVICT_STATS_PATH"] = str(stats_path)
+        start = time.monotonic()
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=4096,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=512,
+            max_num_seqs=4,
+            enforce_eager=True,
+            seed=0,
+            kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(model_dir) + 4096,
+            additional_config={"kv_eviction": {**_settings(name, gates_dir), "attention_kernel": kernel}},
+        )
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+        )
+        # One more step tells the worker the request finished (it frees
+        # and poisons the request's blocks then).
+        llm.generate([{"prompt_token_ids": prompt[:8]}], SamplingParams(max_tokens=1))
+        time.sleep(1.0)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        results[f"{name}/{kernel}" + ("/gpu-backend" if backend == "gpu" else "")] = {
+            "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+            "engine": json.loads(stats_path.read_text()),
+            "worker": json.loads(Path(f"{stats_path}.worker0").read_text()),
+            "seconds": time.monotonic() - start,
+        }
     return results
 
 
@@ -135,9 +153,6 @@ def runs(tmp_path_factory):
     prompt = tokenizer(needle_prompt(tokenizer, 2718, target_tokens=PROMPT_TOKENS)).input_ids
     work = tmp_path_factory.mktemp("triton_path")
     gates_dir = seeded_gates(tiny, work / "gates")
-    request, result = work / "request.json", work / "result.json"
-    request.write_text(json.dumps({"model_dir": tiny, "prompt": prompt, "gates_dir": gates_dir,
-                                   "out_dir": str(work), "result": str(result)}))
     env = dict(
         os.environ,
         PYTHONSAFEPATH="1",  # the repo's triton_kernels/ must not shadow vLLM's
@@ -145,14 +160,19 @@ def runs(tmp_path_factory):
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         KVEVICT_POISON_FREED_BLOCKS="1",
     )
-    log = work / "engines.log"
-    with open(log, "w") as handle:
-        proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
-                              stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-60:])
-        pytest.fail(f"engines exited with {proc.returncode}; log tail:\n{tail}")
-    results = json.loads(result.read_text())
+    results: dict = {}
+    for backend in ("cpu", "gpu"):
+        request, result = work / f"request-{backend}.json", work / f"result-{backend}.json"
+        request.write_text(json.dumps({"model_dir": tiny, "prompt": prompt, "gates_dir": gates_dir,
+                                       "out_dir": str(work), "result": str(result), "backend": backend}))
+        log = work / f"engines-{backend}.log"
+        with open(log, "w") as handle:
+            proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
+                                  stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+        if proc.returncode != 0:
+            tail = "\n".join(log.read_text().splitlines()[-60:])
+            pytest.fail(f"{backend} backend engines exited with {proc.returncode}; log tail:\n{tail}")
+        results.update(json.loads(result.read_text()))
     for key, run in results.items():
         print(f"\n{key}: {run['seconds']:.0f} s")
     return tiny, prompt, gates_dir, results
@@ -170,22 +190,27 @@ def test_triton_path_tokens_equal_native_and_reference(runs, case):
     ).generate(prompt, MAX_TOKENS)
     assert native == expected, f"{case}: native path"
     assert triton == expected, f"{case}: triton path"
+    if case in GPU_BACKEND_CASES:
+        assert results[f"{case}/triton/gpu-backend"]["tokens"][0] == expected, f"{case}: CUDA backend's classes"
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_path_frees_blocks_and_reads_none_it_gave_back(runs, case):
     *_, results = runs
-    for kernel in KERNELS:
-        run = results[f"{case}/{kernel}"]
-        assert run["worker"]["nan_outputs"] == 0, f"{case} {kernel}: an output read a poisoned block"
-        assert run["worker"]["blocks_poisoned"] > 0, f"{case} {kernel}: poison mode was off"
-        assert run["engine"]["blocks_freed_by_eviction"] > 0, f"{case} {kernel}: no block freed"
-    # Both paths hold the same blocks: the scheduler's accounting follows the schedule.
-    assert (results[f"{case}/native"]["engine"]["blocks_freed_by_eviction"]
-            == results[f"{case}/triton"]["engine"]["blocks_freed_by_eviction"])
+    keys = [f"{case}/{kernel}" for kernel in KERNELS]
+    if case in GPU_BACKEND_CASES:
+        keys.append(f"{case}/triton/gpu-backend")
+    for key in keys:
+        run = results[key]
+        assert run["worker"]["nan_outputs"] == 0, f"{key}: an output read a poisoned block"
+        assert run["worker"]["blocks_poisoned"] > 0, f"{key}: poison mode was off"
+        assert run["engine"]["blocks_freed_by_eviction"] > 0, f"{key}: no block freed"
+    # Every path holds the same blocks: the scheduler's accounting follows the schedule.
+    freed = {results[key]["engine"]["blocks_freed_by_eviction"] for key in keys}
+    assert len(freed) == 1, freed
 
 
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
-    out = run_engines(spec["model_dir"], spec["prompt"], spec["gates_dir"], spec["out_dir"])
+    out = run_engines(spec["model_dir"], spec["prompt"], spec["gates_dir"], spec["out_dir"], spec["backend"])
     Path(spec["result"]).write_text(json.dumps(out))

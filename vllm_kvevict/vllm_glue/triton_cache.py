@@ -151,18 +151,27 @@ class TritonPagedCache(CacheOps):
 
 
 def write_new_tokens(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int | None = None,
 ) -> None:
     """vLLM's cache write in torch: token ``i`` (``key, value [T, H, D]``) into
     slot ``slot_mapping[i]`` of the logical ``[num_blocks, H, bs, 2 * D]``
-    cache; negative slots (padding) are skipped."""
-    num_tokens = slot_mapping.shape[0]
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[:num_tokens][valid], value[:num_tokens][valid]
+    cache. ``num_tokens``: the step's real tokens (those after are padding,
+    slot -1), a host count, so no device sync; without it negative slots are
+    found and skipped."""
+    if num_tokens is not None:
+        slots, key, value = slot_mapping[:num_tokens].long(), key[:num_tokens], value[:num_tokens]
+    else:
+        slots = slot_mapping.long()
+        valid = slots >= 0
+        key, value = key[: slots.shape[0]], value[: slots.shape[0]]
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
     head_dim = key.shape[-1]
     bs = kv_cache.shape[2]
     blocks, offsets = slots // bs, slots % bs
-    kv_cache[blocks, :, offsets, :head_dim] = key[: slots.shape[0]].to(kv_cache.dtype)
-    kv_cache[blocks, :, offsets, head_dim:] = value[: slots.shape[0]].to(kv_cache.dtype)
+    kv_cache[blocks, :, offsets, :head_dim] = key.to(kv_cache.dtype)
+    kv_cache[blocks, :, offsets, head_dim:] = value.to(kv_cache.dtype)
