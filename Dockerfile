@@ -7,6 +7,9 @@
 # streamingllm, none), KV_EVICTION_CONFIG (default: configs/$KV_EVICTION.yaml in
 # the image), EXTRA_ARGS; arguments after the image name go to `vllm serve` too.
 # The CPU variant is Dockerfile.cpu.
+# Not yet run on a GPU: tests/test_deploy_files.py checks this file (hadolint,
+# its instructions) but does not build the image, and eviction on CUDA has not
+# been served on a GPU yet (README, Status; start-up logs a warning saying so).
 FROM vllm/vllm-openai:v0.32.0
 
 LABEL org.opencontainers.image.title="vllm-kvevict" \
@@ -20,9 +23,8 @@ COPY triton_kernels ./triton_kernels
 COPY configs ./configs
 COPY --chmod=0755 deploy/docker-entrypoint.sh /usr/local/bin/kvevict-entrypoint
 
-# Not the [gpu] extra: the base image already has vLLM 0.32.0 with its own
-# flash-attention and Triton builds, and the extra's flash-attn would compile
-# for an hour. Every distribution of the base image is held at its version (a
+# Not the [gpu] extra: the base image already has vLLM 0.32.0 with its torch
+# and Triton. Every distribution of the base image is held at its version (a
 # constraints file from `pip list`), so installing the plugin cannot move
 # torch or vLLM; its other dependencies are vLLM's own.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
