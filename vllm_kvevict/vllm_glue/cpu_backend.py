@@ -296,8 +296,8 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
 
     def _attend_head_pages(
         self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: Any,
-        output: torch.Tensor, query_start: list[int], seq_lens: list[int], requests: slice,
-        region_start: torch.Tensor, block_offset: int = 0,
+        output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+        requests: slice, region_start: torch.Tensor, block_offset: int = 0,
     ) -> None:
         """Our C++ kernel (or its torch twin) over the page tables of the batch's ``requests``."""
         if plan.kernel == "triton":
@@ -311,8 +311,8 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         batch = HeadPagedBatch(
             head_page_table=state.head_pages[layer_index].index_select(0, rows),
             head_lens=state.head_lens[layer_index].index_select(0, rows),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.as_tensor(query_start, dtype=torch.int32),
+            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32),
             block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
             region_start=region_start.to(torch.int32),
             moments=moments,

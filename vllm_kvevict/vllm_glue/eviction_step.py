@@ -140,6 +140,19 @@ class EvictionStepPlan:
     backend_data: Any = None  # what the backend's kernels need (the CPU page layout)
     num_evictions: int = 0  # (request, point) pairs that drop tokens
     eviction_seconds: float = 0.0  # summed over layers as they run
+    _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def device_lengths(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query_start``, ``seq_lens`` and ``frontier_before`` as int32
+        tensors on ``device``: one copy per step, shared by every layer."""
+        if self._device_lengths is None:
+            host = torch.tensor(self.query_start + self.seq_lens + self.frontier_before, dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            moved = host.to(device, non_blocking=True)
+            n = len(self.seq_lens)
+            self._device_lengths = (moved[: n + 1], moved[n + 1 : 2 * n + 1], moved[2 * n + 1 :])
+        return self._device_lengths
 
     @property
     def max_region_len(self) -> int:
@@ -405,8 +418,8 @@ class EvictingImpl:
 
     def _attend_head_pages(
         self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: CacheOps,
-        output: torch.Tensor, query_start: list[int], seq_lens: list[int], requests: slice,
-        region_start: torch.Tensor, block_offset: int = 0,
+        output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+        requests: slice, region_start: torch.Tensor, block_offset: int = 0,
     ) -> None:
         raise NotImplementedError
 
@@ -523,9 +536,10 @@ class EvictingImpl:
             state.log_beta_pages[pages.long(), (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
             if layer_index == state.num_layers - 1:
                 capture.pending.clear()  # what vLLM's dummy runs left behind
+        query_start, seq_lens, _ = plan.device_lengths(query.device)
         self._attend_head_pages(
             plan, layer_index, query[:num_tokens], self._pool_cache(whole, plan),
-            output[:num_tokens], plan.query_start, plan.seq_lens, slice(None), plan.region_start, offset,
+            output[:num_tokens], query_start, seq_lens, slice(None), plan.region_start, offset,
         )
 
     def _compact_global(self, plan: EvictionStepPlan) -> None:

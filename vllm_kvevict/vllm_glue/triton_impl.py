@@ -37,13 +37,10 @@ class TritonEvictingImpl(EvictingImpl):
         cache: Any, attn_metadata: Any, output: torch.Tensor,
     ) -> None:
         num_tokens = plan.query_start[-1]
-        if plan.storage == "slots":
-            region_start = torch.tensor(plan.frontier_before, dtype=torch.int64, device=query.device)
-        else:
-            region_start = plan.region_start
+        query_start, seq_lens, frontier = plan.device_lengths(query.device)
         self._attend_head_pages(
             plan, layer_index, query[:num_tokens], cache, output[:num_tokens],
-            plan.query_start, plan.seq_lens, slice(None), region_start,
+            query_start, seq_lens, slice(None), frontier if plan.storage == "slots" else plan.region_start,
         )
 
     def _attend_segment(
@@ -65,9 +62,11 @@ class TritonEvictingImpl(EvictingImpl):
 
     def _attend_head_pages(
         self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: Any,
-        output: torch.Tensor, query_start: list[int], seq_lens: list[int], requests: slice,
-        region_start: torch.Tensor, block_offset: int = 0,
+        output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+        requests: slice, region_start: torch.Tensor, block_offset: int = 0,
     ) -> None:
+        """The Triton kernel over the page tables of the batch's ``requests``
+        (lengths as host lists, or device tensors already copied)."""
         from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
 
         assert isinstance(cache, TritonPagedCache)
@@ -84,8 +83,8 @@ class TritonEvictingImpl(EvictingImpl):
         batch = HeadPagedBatch(
             head_page_table=page_table,
             head_lens=head_lens,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.as_tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32, device=device),
             block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
             region_start=region_start.to(device=device, dtype=torch.int32),
             moments=moments,
