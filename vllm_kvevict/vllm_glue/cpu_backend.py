@@ -202,26 +202,6 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         else:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: CPUAttentionMetadata | None,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        plan = getattr(attn_metadata, "eviction", None)
-        if plan is None:
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale, output_block_scale,
-            )
-        return self.forward_evicting(plan, layer, query, key, value, kv_cache, attn_metadata, output)
-
     # The CPU kernels; ``attention_kernel: triton`` takes the inherited hooks.
 
     def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:

@@ -425,6 +425,28 @@ class EvictingImpl:
 
     # The forward.
 
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """vLLM's forward (the backend's base Impl, next in the MRO) unless the
+        step has an eviction plan."""
+        plan = getattr(attn_metadata, "eviction", None)
+        if plan is None:
+            return super().forward(  # type: ignore[misc]
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
+        return self.forward_evicting(plan, layer, query, key, value, kv_cache, attn_metadata, output)
+
     def forward_evicting(
         self,
         plan: EvictionStepPlan,

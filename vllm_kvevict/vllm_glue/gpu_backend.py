@@ -139,26 +139,6 @@ class KVEvictTritonImpl(TritonEvictingImpl, TritonAttentionImpl):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         write_new_tokens(kv_cache, key, value, slot_mapping, plan.query_start[-1])
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: TritonAttentionMetadata,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        plan = getattr(attn_metadata, "eviction", None)
-        if plan is None:
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale, output_block_scale,
-            )
-        return self.forward_evicting(plan, layer, query, key, value, kv_cache, attn_metadata, output)
-
 
 def _step_plan(layer: AttentionLayer) -> EvictionStepPlan | None:
     """This step's eviction plan for ``layer``, from vLLM's forward context."""
