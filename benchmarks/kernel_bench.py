@@ -1,35 +1,46 @@
-"""GPU benchmark of the Triton kernels over per-head page tables.
+"""GPU benchmark of the Triton kernels over per-head page tables: the two targets.
 
-Table 1, decode: one query token per request over ``L`` retained tokens per KV
-head, batch ``B``. The Triton kernel (``head_paged_attention``, with and
-without a MomentKV summary per head) against a full-cache baseline on the same
-KV data (flash-attn's ``flash_attn_with_kvcache`` when importable, else torch
-SDPA), with the bytes of KV each reads, the bandwidth achieved, and the
-device-to-device copy bandwidth as the yardstick (target: >= 70% of it at
-large sizes).
+Target 1, decode attention. One query token per request, batch ``B`` (16), ``L``
+(16,384) retained tokens per KV head, bf16, through the Triton kernel
+``head_paged_attention`` over per-head page tables, reading one layer of the KV
+cache exactly as vLLM 0.32 lays it out (one buffer, a layer's logical
+``[num_blocks, H, page_size, 2D]`` view in the physical order ``LBHNC`` or
+``LBNHC``, split into strided key and value views). Reported: the K and V bytes
+it reads per second as a percentage of the device's measured copy bandwidth
+(bytes read + written per second of a device-to-device copy), for both
+layouts; with the MomentKV moments too; and, for context, a full-cache decode
+(flash-attn's ``flash_attn_with_kvcache`` when importable, else torch SDPA)
+over a contiguous ``[B, L, H, D]`` copy of the same data.
 
-Table 2, eviction: one SnapKV-style eviction step (scores over an observation
-window in torch, top-k) plus the compaction kernel (``compact_head_pages``,
-evicted tokens folded into the summary), against one decode step of the same
-batch. Two compaction orders: sequence order (every kept token after the first
-hole shifts down) and hole filling (the last kept tokens move into the holes;
-attention over compacted tokens does not depend on their order).
+Target 2, eviction step against decode step, over all layers of a model-like
+shape (default: 32 layers, 8 KV heads x 4 query heads, head_dim 128, the
+attention of Llama-3-8B), same batch. One eviction step = for every layer,
+SnapKV-style scores (torch: gather the keys, softmax of a 32-query window,
+pooling, top-k) and the compaction kernel ``compact_head_pages`` in place
+(every head evicts ``--evict-tokens``, folded into the MomentKV moments). One
+decode step = ``head_paged_attention`` of every layer (the rest of the model is
+not counted, so the ratio overstates the share of a whole decode step).
+Reported: both times, their ratio, and that ratio spread over the
+``--decode-interval`` decode steps between two evictions.
 
     python benchmarks/kernel_bench.py                  # needs a CUDA GPU
-    python benchmarks/kernel_bench.py --lengths 4096,65536 --batches 1,16
-    python benchmarks/kernel_bench.py --smoke          # one tiny case; on CPU under TRITON_INTERPRET=1
+    python benchmarks/kernel_bench.py --json out.json  # the figures as JSON too
+    python benchmarks/kernel_bench.py --smoke          # tiny shapes; on CPU under TRITON_INTERPRET=1
 
 Without CUDA and without ``--smoke`` it says a GPU is needed and exits 1.
+``--smoke`` first checks both kernels against their torch references on
+vLLM's views in both layouts; its times (the interpreter's on CPU) mean
+nothing.
 
-The KV data is laid out the way vLLM's GPU cache is (``[num_blocks,
-page_size, H, D]``), read through the kernels' strided logical view
-``[num_blocks, H, page_size, D]``; request ``b``'s pages are its own blocks in
-order, so the baseline reads the very same tensor as ``[B, L, H, D]``.
+Request ``b``'s pages are its own blocks in order (head ``h`` in head-page
+``block * H + h``): tokens ``0 .. L-2`` compacted, token ``L-1`` in the
+standard region, so the same bytes are also a plain ``[B, L, H, D]`` cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -41,25 +52,30 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+LAYOUTS = ("LBHNC", "LBNHC")
+# Logical axes [L, B, H, N, C] in physical order (vllm/v1/kv_cache_layout.py).
+STRIDE_ORDER = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 65536], help="retained tokens per head")
-    parser.add_argument("--batches", type=ints, default=[1, 4, 16, 64])
+    parser.add_argument("--batch", type=int, default=16, help="requests (B)")
+    parser.add_argument("--length", type=int, default=16384, help="retained tokens per KV head (L)")
+    parser.add_argument("--layers", type=int, default=32, help="target 2: layers of the model-like shape")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA)")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--evict-tokens", type=int, default=64, help="tokens evicted per head per eviction step")
-    parser.add_argument("--window", type=int, default=32, help="SnapKV observation window (queries)")
-    parser.add_argument("--memory-fraction", type=float, default=0.8, help="of free GPU memory a case may use")
-    parser.add_argument("--smoke", action="store_true", help="one tiny case (on CPU: under the Triton interpreter)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per block (vLLM's block size)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--layout", choices=LAYOUTS, default="LBHNC", help="target 2's KV cache layout")
+    parser.add_argument("--evict-tokens", type=int, default=64, help="target 2: tokens each head evicts")
+    parser.add_argument("--window", type=int, default=32, help="target 2: SnapKV observation window (queries)")
+    parser.add_argument("--decode-interval", type=int, default=32, help="decode steps between two evictions")
+    parser.add_argument("--memory-fraction", type=float, default=0.85, help="of free GPU memory the caches may use")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (on CPU: under the Triton interpreter)")
     return parser.parse_args(argv)
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -76,10 +92,18 @@ class Setup:
     def q_heads(self) -> int:
         return self.kv_heads * self.group
 
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def kv_bytes(self, batch: int, length: int) -> int:
+        """K and V bytes of one layer's retained tokens."""
+        return 2 * batch * length * self.kv_heads * self.head_dim * self.element_size
+
 
 def make_timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     """Seconds per call: triton's ``do_bench`` (median, L2 flushed between runs)
-    on a GPU; one wall-clock call under the interpreter (a smoke check only)."""
+    on a GPU; one wall-clock call elsewhere (a smoke check only)."""
     if device.type == "cuda":
         import triton.testing
 
@@ -103,79 +127,6 @@ def copy_bandwidth(setup: Setup, nbytes: int) -> float:
     return 2 * nbytes / setup.timer(lambda: dst.copy_(src))
 
 
-@dataclass
-class DecodeCase:
-    batch: int
-    length: int
-    query: torch.Tensor  # [B, Hq, D]
-    physical_k: torch.Tensor  # [B * L / page_size, page_size, H, D]
-    physical_v: torch.Tensor
-    key_cache: torch.Tensor  # logical strided view [num_blocks, H, page_size, D]
-    value_cache: torch.Tensor
-    args: tuple  # (query, key_cache, value_cache, batch without moments, scale)
-    summary_args: tuple  # the same with the batch's moments
-    src_tokens: torch.Tensor  # [B, H, L] flat addresses of every retained token
-    kv_bytes: int
-
-
-def make_decode_case(setup: Setup, batch: int, length: int) -> DecodeCase:
-    """``B`` requests of ``L`` tokens per head: tokens ``0 .. L-2`` compacted
-    (head-pages ``block * H + h`` of the request's blocks), token ``L-1`` the
-    standard region, so the cache is also a plain ``[B, L, H, D]`` tensor."""
-    from vllm_kvevict.eviction.moments import EvictedMoments
-    from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
-
-    dev, dt, heads, dim, ps = setup.device, setup.dtype, setup.kv_heads, setup.head_dim, setup.page_size
-    pages = length // ps
-    num_blocks = batch * pages
-    physical_k = torch.randn(num_blocks, ps, heads, dim, device=dev, dtype=dt)
-    physical_v = torch.randn(num_blocks, ps, heads, dim, device=dev, dtype=dt)
-    key_cache, value_cache = physical_k.permute(0, 2, 1, 3), physical_v.permute(0, 2, 1, 3)
-    i32 = dict(dtype=torch.int32, device=dev)
-    blocks = torch.arange(num_blocks, **i32).view(batch, pages)
-    heads_ix = torch.arange(heads, **i32)
-    head_page_table = blocks[:, None, :] * heads + heads_ix[None, :, None]  # [B, H, pages]
-    head_lens = torch.full((batch, heads), length - 1, **i32)
-    seq_lens = torch.full((batch,), length, **i32)
-    region_start = torch.full((batch,), length - 1, **i32)
-    query = torch.randn(batch, setup.q_heads, dim, device=dev, dtype=dt)
-    query_start_loc = torch.arange(batch + 1, **i32)
-    scale = 1.0 / math.sqrt(dim)
-    requests = HeadPagedBatch(head_page_table, head_lens, query_start_loc, seq_lens, blocks, region_start)
-    args = (query, key_cache, value_cache, requests, scale)
-    moments = EvictedMoments.zeros(batch, heads, dim, device=dev)
-    moments.count.fill_(100.0)
-    moments.key_mean.normal_()
-    moments.value_mean.normal_()
-    moments.cross_cov.normal_().mul_(10.0)
-    with_moments = replace(requests, moments=moments, moment_rows=torch.arange(batch, **i32))
-    summary_args = (query, key_cache, value_cache, with_moments, scale)
-    token = torch.arange(length, device=dev)
-    src_tokens = (head_page_table.long()[..., token // ps] * ps + token % ps).contiguous()  # [B, H, L]
-    kv_bytes = 2 * batch * length * heads * dim * physical_k.element_size()
-    return DecodeCase(batch, length, query, physical_k, physical_v, key_cache, value_cache, args, summary_args, src_tokens, kv_bytes)
-
-
-def baseline_attention(case: DecodeCase, setup: Setup) -> tuple[str, Callable[[], torch.Tensor]]:
-    """Full-cache decode over the same tensor seen as ``[B, L, H, D]``."""
-    batch, length = case.batch, case.length
-    heads, dim = setup.kv_heads, setup.head_dim
-    k = case.physical_k.view(batch, length, heads, dim)
-    v = case.physical_v.view(batch, length, heads, dim)
-    if setup.device.type == "cuda":
-        try:
-            from flash_attn import flash_attn_with_kvcache
-
-            seqlens = torch.full((batch,), length, dtype=torch.int32, device=setup.device)
-            q = case.query.unsqueeze(1)  # [B, 1, Hq, D]
-            return "flash_attn_with_kvcache", lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
-        except ImportError:
-            pass
-    q = case.query.unsqueeze(2)  # [B, Hq, 1, D]
-    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views, no copy
-    return "torch SDPA", lambda: F.scaled_dot_product_attention(q, kt, vt, enable_gqa=True).squeeze(2)
-
-
 def fits(setup: Setup, nbytes: float, fraction: float) -> bool:
     if setup.device.type != "cuda":
         return True
@@ -183,71 +134,181 @@ def fits(setup: Setup, nbytes: float, fraction: float) -> bool:
     return nbytes <= fraction * free
 
 
-def gbps(nbytes: float, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:,.0f}"
+# --------------------------------------------------------------------------- vLLM's KV cache
 
 
-def decode_row(setup: Setup, args: argparse.Namespace, copy_bw: float, batch: int, length: int) -> float | None:
-    """One row of the decode table; the Triton time without summary, or None if skipped."""
+def layer_kv_views(
+    raw: torch.Tensor, num_layers: int, num_blocks: int, setup: Setup, layout: str, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s ``(key, value)`` views of the int8 buffer ``raw`` as
+    vLLM 0.32 makes them for a layer-outermost layout (``create_kv_cache_views``,
+    then ``kv_cache.split(head_dim, dim=-1)``): strided ``[num_blocks, H, page_size, D]``."""
+    shape = (num_layers, num_blocks, setup.kv_heads, setup.page_size, 2 * setup.head_dim * setup.element_size)
+    strides = [0] * 5
+    stride = 1
+    for dim in reversed(STRIDE_ORDER[layout]):
+        strides[dim] = stride
+        stride *= shape[dim]
+    assert raw.numel() == stride
+    kv_cache = torch.as_strided(raw, shape, strides, raw.storage_offset())[layer].view(setup.dtype)
+    key, value = kv_cache.split(setup.head_dim, dim=-1)
+    return key, value
+
+
+def make_kv_cache(
+    setup: Setup, num_layers: int, num_blocks: int, layout: str
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Random K and V for ``num_layers`` layers in one buffer: the buffer, each layer's views."""
+    nbytes = num_layers * num_blocks * setup.kv_heads * setup.page_size * 2 * setup.head_dim * setup.element_size
+    raw = torch.empty(nbytes, dtype=torch.int8, device=setup.device)
+    raw.view(setup.dtype).normal_()
+    return raw, [layer_kv_views(raw, num_layers, num_blocks, setup, layout, layer) for layer in range(num_layers)]
+
+
+@dataclass
+class Requests:
+    batch: int
+    length: int
+    query: torch.Tensor  # [B, Hq, D]
+    plain: object  # HeadPagedBatch without moments
+    with_moments: object  # HeadPagedBatch with a row of moments per request
+    src_tokens: torch.Tensor  # [B, H, L] flat addresses of every retained token
+    blocks: torch.Tensor  # [B, pages] each request's blocks in order
+    scale: float
+
+
+def make_requests(setup: Setup, batch: int, length: int) -> Requests:
+    """``B`` requests of ``L`` tokens per head over blocks ``0 .. B * L / page_size``."""
+    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
+
+    dev, heads, ps = setup.device, setup.kv_heads, setup.page_size
+    pages = length // ps
+    i32 = dict(dtype=torch.int32, device=dev)
+    blocks = torch.arange(batch * pages, **i32).view(batch, pages)
+    head_page_table = blocks[:, None, :] * heads + torch.arange(heads, **i32)[None, :, None]  # [B, H, pages]
+    plain = HeadPagedBatch(
+        head_page_table,
+        torch.full((batch, heads), length - 1, **i32),  # compacted tokens 0 .. L-2
+        torch.arange(batch + 1, **i32),  # one query each
+        torch.full((batch,), length, **i32),
+        blocks,
+        torch.full((batch,), length - 1, **i32),  # the standard region: token L-1
+    )
+    moments = EvictedMoments.zeros(batch, heads, setup.head_dim, device=dev)
+    moments.count.fill_(100.0)
+    moments.key_mean.normal_()
+    moments.value_mean.normal_()
+    moments.cross_cov.normal_().mul_(10.0)
+    with_moments = replace(plain, moments=moments, moment_rows=torch.arange(batch, **i32))
+    token = torch.arange(length, device=dev)
+    src_tokens = (head_page_table.long()[..., token // ps] * ps + token % ps).contiguous()
+    query = torch.randn(batch, setup.q_heads, setup.head_dim, device=dev, dtype=setup.dtype)
+    return Requests(batch, length, query, plain, with_moments, src_tokens, blocks, 1.0 / math.sqrt(setup.head_dim))
+
+
+def contiguous_copy(cache: torch.Tensor, requests: Requests) -> torch.Tensor:
+    """The retained tokens of ``cache`` as a contiguous ``[B, L, H, D]`` tensor."""
+    pages = cache[requests.blocks.reshape(-1).long()]  # [B * pages, H, ps, D]
+    batch, length = requests.batch, requests.length
+    heads, ps, dim = pages.shape[1:]
+    return pages.view(batch, length // ps, heads, ps, dim).permute(0, 1, 3, 2, 4).reshape(batch, length, heads, dim)
+
+
+def baseline_attention(
+    setup: Setup, requests: Requests, key: torch.Tensor, value: torch.Tensor
+) -> tuple[str, Callable[[], torch.Tensor]]:
+    """Full-cache decode over contiguous ``[B, L, H, D]`` K and V."""
+    if setup.device.type == "cuda":
+        try:
+            from flash_attn import flash_attn_with_kvcache
+
+            seqlens = torch.full((requests.batch,), requests.length, dtype=torch.int32, device=setup.device)
+            q = requests.query.unsqueeze(1)  # [B, 1, Hq, D]
+            return "flash_attn_with_kvcache", lambda: flash_attn_with_kvcache(q, key, value, cache_seqlens=seqlens)
+        except ImportError:
+            pass
+    q = requests.query.unsqueeze(2)  # [B, Hq, 1, D]
+    kt, vt = key.transpose(1, 2), value.transpose(1, 2)  # [B, H, L, D]
+    return "torch SDPA", lambda: F.scaled_dot_product_attention(q, kt, vt, enable_gqa=True).squeeze(2)
+
+
+# --------------------------------------------------------------------------- target 1
+
+
+def target_decode(setup: Setup, args: argparse.Namespace, copy_bw: float) -> list[dict]:
+    """Target 1 in both layouts: one row each."""
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
 
-    elt = torch.tensor([], dtype=setup.dtype).element_size()
-    kv = 2 * batch * length * setup.kv_heads * setup.head_dim * elt
-    if length % setup.page_size or not fits(setup, 1.3 * kv, args.memory_fraction):
-        print(f"| {batch} | {length} | {kv / 1e6:,.0f} | skipped: does not fit | | | | | | | | |")
-        return None
-    case = make_decode_case(setup, batch, length)
-    t = setup.timer(lambda: head_paged_attention(*case.args, max_seq_len=length))
-    t_summary = setup.timer(lambda: head_paged_attention(*case.summary_args, max_seq_len=length))
-    name, baseline = baseline_attention(case, setup)
-    try:
+    batch, length = args.batch, args.length
+    kv_bytes = setup.kv_bytes(batch, length)
+    print("## Target 1: decode attention over per-head page tables\n")
+    print(
+        f"B = {batch} requests, L = {length:,} retained tokens per KV head, {args.dtype}; one layer of vLLM's "
+        f"KV cache; KV read = {kv_bytes / 1e6:,.1f} MB of K and V (the moments add (1 + 2D + D²) fp32 per "
+        "head). % copy = (KV read / time) / copy bandwidth. Baseline: full-cache decode over a contiguous "
+        "[B, L, H, D] copy of the same K and V; max abs diff: its output against the Triton kernel's.\n"
+    )
+    print(
+        "| layout | Triton (µs) | GB/s | % copy | + moments (µs) | % copy | baseline | baseline (µs) | "
+        "% copy | max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    if not fits(setup, 2.2 * kv_bytes, args.memory_fraction):
+        print(f"| skipped: {2.2 * kv_bytes / 1e9:.1f} GB do not fit | | | | | | | | | |")
+        return rows
+    requests = make_requests(setup, batch, length)
+    num_blocks = batch * length // setup.page_size
+    for layout in LAYOUTS:
+        raw, ((key, value),) = make_kv_cache(setup, 1, num_blocks, layout)
+        plain = (requests.query, key, value, requests.plain, requests.scale)
+        moments = (requests.query, key, value, requests.with_moments, requests.scale)
+        t = setup.timer(lambda: head_paged_attention(*plain, max_seq_len=length))
+        t_moments = setup.timer(lambda: head_paged_attention(*moments, max_seq_len=length))
+        k_contig, v_contig = contiguous_copy(key, requests), contiguous_copy(value, requests)
+        name, baseline = baseline_attention(setup, requests, k_contig, v_contig)
         t_base = setup.timer(baseline)
-        out = head_paged_attention(*case.args, max_seq_len=length)[0]
+        out = head_paged_attention(*plain, max_seq_len=length)[0]
         diff = (out - baseline().float().reshape(out.shape)).abs().max().item()
-        base_cols = f"{t_base * 1e6:,.1f} | {gbps(case.kv_bytes, t_base)} | {case.kv_bytes / t_base / copy_bw:.0%}"
-    except torch.OutOfMemoryError:
-        base_cols, diff = "out of memory | | ", float("nan")
-    print(
-        f"| {batch} | {length} | {case.kv_bytes / 1e6:,.1f} | {t * 1e6:,.1f} | {gbps(case.kv_bytes, t)} | "
-        f"{case.kv_bytes / t / copy_bw:.0%} | {t_summary * 1e6:,.1f} | {name} | {base_cols} | {diff:.1e} |",
-        flush=True,
-    )
-    return t
+        row = {
+            "layout": layout, "batch": batch, "length": length, "dtype": args.dtype, "kv_bytes": kv_bytes,
+            "triton_us": t * 1e6, "triton_GBps": kv_bytes / t / 1e9, "triton_pct_copy": 100 * kv_bytes / t / copy_bw,
+            "moments_us": t_moments * 1e6, "moments_pct_copy": 100 * kv_bytes / t_moments / copy_bw,
+            "baseline": name, "baseline_us": t_base * 1e6, "baseline_pct_copy": 100 * kv_bytes / t_base / copy_bw,
+            "max_abs_diff": diff,
+        }
+        rows.append(row)
+        print(
+            f"| {layout} | {t * 1e6:,.1f} | {kv_bytes / t / 1e9:,.0f} | {row['triton_pct_copy']:.0f}% | "
+            f"{t_moments * 1e6:,.1f} | {row['moments_pct_copy']:.0f}% | {name} | {t_base * 1e6:,.1f} | "
+            f"{row['baseline_pct_copy']:.0f}% | {diff:.1e} |",
+            flush=True,
+        )
+        del raw, key, value, k_contig, v_contig
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
-def decode_table(setup: Setup, args: argparse.Namespace, copy_bw: float) -> dict[tuple[int, int], float]:
-    print(
-        "| B | L / head | KV read (MB) | Triton (µs) | GB/s | % copy | + summary (µs) | "
-        "baseline | baseline (µs) | GB/s | % copy | max abs diff |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    decode_times: dict[tuple[int, int], float] = {}
-    for batch in args.batches:
-        for length in args.lengths:
-            t = decode_row(setup, args, copy_bw, batch, length)
-            if t is not None:
-                decode_times[(batch, length)] = t
-            if setup.device.type == "cuda":
-                torch.cuda.empty_cache()  # the case died with decode_row's frame
-    return decode_times
+# --------------------------------------------------------------------------- target 2
 
 
-def snapkv_keep(
-    setup: Setup, case: DecodeCase, window_q: torch.Tensor, keep_count: int, pool: int = 7
-) -> torch.Tensor:
+def snapkv_keep(setup: Setup, key: torch.Tensor, requests: Requests, window_q: torch.Tensor, keep_count: int,
+                pool: int = 7) -> torch.Tensor:
     """SnapKV scores in torch: softmax of the window's queries over each head's
     retained keys, summed over the window and the query group, average-pooled;
     the top ``keep_count`` positions, ``[B, H, keep_count]`` sorted. Requests in
     chunks so the fp32 probabilities stay under ~1 GB."""
-    batch, length, heads, group = case.batch, case.length, setup.kv_heads, setup.group
+    batch, length, heads, group = requests.batch, requests.length, setup.kv_heads, setup.group
     window = window_q.shape[1]
     chunk = max(1, int(2**30 // (heads * group * window * length * 4)))
-    kept = []
     ps = setup.page_size
+    kept = []
     for b0 in range(0, batch, chunk):
-        flat = case.src_tokens[b0 : b0 + chunk]  # [b, H, L]
+        flat = requests.src_tokens[b0 : b0 + chunk]  # [b, H, L]
         page = flat // ps
-        keys = case.key_cache[page // heads, page % heads, flat % ps]  # [b, H, L, D]
+        keys = key[page // heads, page % heads, flat % ps]  # [b, H, L, D]
         q = window_q[b0 : b0 + chunk]
         q = q.view(q.shape[0], window, heads, group, -1).permute(0, 2, 3, 1, 4).flatten(2, 3)  # [b, H, G*W, D]
         probs = torch.softmax((q @ keys.transpose(-1, -2)).float() / math.sqrt(setup.head_dim), dim=-1)
@@ -279,141 +340,171 @@ def hole_filling_order(kept_sorted: torch.Tensor, length: int) -> torch.Tensor:
     return order[..., :keep_count]
 
 
-def eviction_row(
-    setup: Setup, args: argparse.Namespace, batch: int, length: int, t_decode: float | None
-) -> None:
+def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
+    """Target 2: one eviction step of every layer against one decode step of every layer."""
     from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
 
-    evict = args.evict_tokens
-    elt = torch.tensor([], dtype=setup.dtype).element_size()
-    kv = 2 * batch * length * setup.kv_heads * setup.head_dim * elt
-    # Cache + the compaction's scratch copy of the kept tokens + the score's key gather.
-    if length % setup.page_size or length <= evict or not fits(setup, 2.6 * kv, args.memory_fraction):
-        print(f"| {batch} | {length} | {evict} | skipped: does not fit | | | | |")
-        return
-    case = make_decode_case(setup, batch, length)
+    batch, length, layers, evict = args.batch, args.length, args.layers, args.evict_tokens
+    layer_bytes = setup.kv_bytes(batch, length)
+    print(f"\n## Target 2: one eviction step against one decode step, all {layers} layers\n")
+    print(
+        f"B = {batch}, L = {length:,} tokens per KV head, {args.dtype}, {layers} layers x {setup.kv_heads} KV heads x "
+        f"{setup.group} query heads each, head_dim {setup.head_dim}, page size {setup.page_size}, layout "
+        f"{args.layout} ({layers * layer_bytes / 1e9:,.1f} GB of K and V). Eviction step, per layer: SnapKV scores "
+        f"over a {args.window}-query window in torch, then every head evicts {evict} tokens with the compaction "
+        "kernel in place (sequence order; hole filling: only the kept tokens past the new end move), the evicted "
+        "tokens folded into the moments. Decode step: the Triton attention of every layer (no other model work). "
+        f"Per decode step: the eviction's share when it runs every {args.decode_interval} decode steps.\n"
+    )
+    if length % setup.page_size or length <= evict:
+        print("skipped: the length must be a multiple of the page size and exceed --evict-tokens")
+        return None
+    # Scratch beside the caches: the compaction's copy of the kept tokens, the
+    # score's key gather and fp32 probabilities (about two layers' worth).
+    distinct = fits(setup, (layers + 2.5) * layer_bytes, args.memory_fraction)
+    allocated = layers if distinct else 1
+    if not fits(setup, (allocated + 2.5) * layer_bytes, args.memory_fraction):
+        print(f"skipped: one layer ({layer_bytes / 1e9:.1f} GB) and its scratch do not fit")
+        return None
+    num_blocks = batch * length // setup.page_size
+    _, caches = make_kv_cache(setup, allocated, num_blocks, args.layout)
+    if not distinct:
+        print(f"(the {layers} layers do not fit at once: each step runs {layers} times over one layer's cache)\n")
+    views = [caches[layer % allocated] for layer in range(layers)]
+    requests = make_requests(setup, batch, length)
     window_q = torch.randn(batch, args.window, setup.q_heads, setup.head_dim, device=setup.device, dtype=setup.dtype)
     keep_count = length - evict
-    t_score = setup.timer(lambda: snapkv_keep(setup, case, window_q, keep_count))
-    kept = snapkv_keep(setup, case, window_q, keep_count)
     heads = setup.kv_heads
-    requests = case.summary_args[3]
     i32 = dict(dtype=torch.int32, device=setup.device)
     src_lens = torch.full((batch, heads), length, **i32)
-    # In place: the head's own pages, from the first.
-    after = replace(requests, head_lens=torch.full((batch, heads), keep_count, **i32))
+    # In place: each head's own pages, from the first.
+    after = replace(requests.with_moments, head_lens=torch.full((batch, heads), keep_count, **i32))
+    kept = [snapkv_keep(setup, key, requests, window_q, keep_count).to(torch.int32) for key, _ in caches]
+    holes = [hole_filling_order(k.long(), length).to(torch.int32).contiguous() for k in kept]
 
-    def compaction(keep: torch.Tensor) -> Callable[[], None]:
-        # Repeated runs re-read the same addresses (the data changes, the work does not).
-        keep = keep.to(torch.int32).contiguous()
-        return lambda: compact_head_pages(
-            case.key_cache, case.value_cache, case.src_tokens, src_lens, keep, after
-        )
+    def decode_step() -> None:
+        for key, value in views:
+            head_paged_attention(requests.query, key, value, requests.plain, requests.scale, max_seq_len=length)
 
+    def scores() -> None:
+        for key, _ in views:
+            snapkv_keep(setup, key, requests, window_q, keep_count)
+
+    def compaction(orders: list[torch.Tensor]) -> Callable[[], None]:
+        # Repeated runs move the same addresses (the data changes, the work does not).
+        def run() -> None:
+            for layer, (key, value) in enumerate(views):
+                compact_head_pages(key, value, requests.src_tokens, src_lens, orders[layer % allocated], after)
+
+        return run
+
+    t_decode = setup.timer(decode_step)
+    t_score = setup.timer(scores)
     t_ordered = setup.timer(compaction(kept))
-    t_holes = setup.timer(compaction(hole_filling_order(kept, length)))
-    if t_decode is None:
-        t_decode = setup.timer(lambda: head_paged_attention(*case.args, max_seq_len=length))
+    t_holes = setup.timer(compaction(holes))
+    t_evict = t_score + t_ordered
+    result = {
+        "layout": args.layout, "batch": batch, "length": length, "layers": layers, "layers_allocated": allocated,
+        "kv_heads": heads, "group": setup.group, "head_dim": setup.head_dim, "dtype": args.dtype,
+        "evict_tokens": evict, "window": args.window, "decode_interval": args.decode_interval,
+        "decode_step_us": t_decode * 1e6, "score_us": t_score * 1e6, "compaction_us": t_ordered * 1e6,
+        "compaction_hole_filling_us": t_holes * 1e6, "eviction_step_us": t_evict * 1e6,
+        "eviction_over_decode": t_evict / t_decode,
+        "eviction_over_decode_per_step": t_evict / t_decode / args.decode_interval,
+    }
     print(
-        f"| {batch} | {length} | {evict} | {t_score * 1e6:,.1f} | {t_ordered * 1e6:,.1f} | "
-        f"{t_holes * 1e6:,.1f} | {t_decode * 1e6:,.1f} | {(t_score + t_holes) / t_decode:.1f}x |",
+        "| decode step (µs) | scores (µs) | compaction (µs) | compaction, hole filling (µs) | "
+        "eviction step (µs) | eviction / decode | per decode step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| {t_decode * 1e6:,.0f} | {t_score * 1e6:,.0f} | {t_ordered * 1e6:,.0f} | {t_holes * 1e6:,.0f} | "
+        f"{t_evict * 1e6:,.0f} | {t_evict / t_decode:.2f}x | {100 * t_evict / t_decode / args.decode_interval:.1f}% |",
         flush=True,
     )
+    return result
 
 
-def eviction_table(setup: Setup, args: argparse.Namespace, decode_times: dict[tuple[int, int], float]) -> None:
-    print(
-        "| B | L / head | evicted / head | SnapKV score (µs) | compaction, sequence order (µs) | "
-        "compaction, hole filling (µs) | decode step (µs) | eviction / decode (hole filling) |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for batch in args.batches:
-        for length in args.lengths:
-            eviction_row(setup, args, batch, length, decode_times.get((batch, length)))
-            if setup.device.type == "cuda":
-                torch.cuda.empty_cache()
+# --------------------------------------------------------------------------- smoke
 
 
 def smoke_check(setup: Setup) -> None:
-    """Kernels against their references on one tiny case (catches a script
-    that times wrong results)."""
-    from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages, compact_head_pages_reference
+    """Both kernels against their torch references on vLLM's views in both
+    layouts (catches a script that times wrong results)."""
     from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages, compact_head_pages_reference
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention, head_paged_attention_reference
 
-    case = make_decode_case(setup, 2, 4 * setup.page_size)
-    out, lse = head_paged_attention(*case.summary_args)
-    ref_out, ref_lse = head_paged_attention_reference(*case.summary_args)
-    torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
-    length, heads = case.length, setup.kv_heads
-    window_q = torch.randn(2, 4, setup.q_heads, setup.head_dim, device=setup.device, dtype=setup.dtype)
-    kept = hole_filling_order(snapkv_keep(setup, case, window_q, length - 5), length).to(torch.int32)
+    batch, length, heads = 2, 4 * setup.page_size, setup.kv_heads
+    requests = make_requests(setup, batch, length)
+    num_blocks = batch * length // setup.page_size
+    window_q = torch.randn(batch, 4, setup.q_heads, setup.head_dim, device=setup.device, dtype=setup.dtype)
     i32 = dict(dtype=torch.int32, device=setup.device)
-    results = []
-    for fn in (compact_head_pages, compact_head_pages_reference):
-        k, v = case.physical_k.clone(), case.physical_v.clone()
-        requests = case.summary_args[3]
-        s = requests.moments
-        s = EvictedMoments(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
-        after = replace(requests, head_lens=torch.full((2, heads), length - 5, **i32), moments=s)
-        fn(
-            k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), case.src_tokens,
-            torch.full((2, heads), length, **i32), kept, after,
-        )
-        results.append((k, v, s.cross_cov, s.count))
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    print("smoke check: kernels match their torch references")
+    for layout in LAYOUTS:
+        raw, ((key, value),) = make_kv_cache(setup, 1, num_blocks, layout)
+        args = (requests.query, key, value, requests.with_moments, requests.scale)
+        out, lse = head_paged_attention(*args)
+        ref_out, ref_lse = head_paged_attention_reference(*args)
+        torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
+        kept = hole_filling_order(snapkv_keep(setup, key, requests, window_q, length - 5), length).to(torch.int32)
+        results = []
+        for fn in (compact_head_pages, compact_head_pages_reference):
+            buffer = raw.clone()
+            k, v = layer_kv_views(buffer, 1, num_blocks, setup, layout, 0)
+            s = requests.with_moments.moments
+            s = EvictedMoments(s.count.clone(), s.key_mean.clone(), s.value_mean.clone(), s.cross_cov.clone())
+            after = replace(requests.with_moments, head_lens=torch.full((batch, heads), length - 5, **i32), moments=s)
+            fn(k, v, requests.src_tokens, torch.full((batch, heads), length, **i32), kept, after)
+            results.append((buffer, s.cross_cov, s.count))
+        assert torch.equal(results[0][0], results[1][0])  # kept tokens are copied bit for bit
+        for got, want in zip(results[0][1:], results[1][1:]):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    print("smoke check: both kernels match their torch references on vLLM's views (LBHNC, LBNHC)\n")
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    print(f"Command: `{shlex.join(['python', 'benchmarks/kernel_bench.py', *(argv if argv is not None else sys.argv[1:])])}`\n")
+    command = ["python", "benchmarks/kernel_bench.py", *(argv if argv is not None else sys.argv[1:])]
+    print(f"Command: `{shlex.join(command)}`\n")
     if not cuda:
         print("kernel_bench.py measures GPU kernels and needs a CUDA GPU; none is visible.")
         if not args.smoke:
             return 1
         # Triton reads this when the kernel modules are imported (below, lazily).
         os.environ["TRITON_INTERPRET"] = "1"
-        print("--smoke: one tiny case on CPU under TRITON_INTERPRET=1 (times are the interpreter's, meaningless).\n")
+        print("--smoke: tiny shapes on CPU under TRITON_INTERPRET=1 (times are the interpreter's, meaningless).\n")
     import triton
 
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = DTYPES[args.dtype]
     if args.smoke:
-        args.lengths, args.batches, args.evict_tokens, args.window = [64], [2], 8, 8
+        args.batch, args.length, args.layers, args.evict_tokens, args.window = 2, 64, 2, 8, 8
         if not cuda:
             args.kv_heads, args.group, args.head_dim = 2, 2, 32
-    setup = Setup(device, dtype, args.kv_heads, args.group, args.head_dim, args.page_size, make_timer(device))
+    setup = Setup(
+        device, DTYPES[args.dtype], args.kv_heads, args.group, args.head_dim, args.page_size, make_timer(device)
+    )
     torch.manual_seed(0)
     name = torch.cuda.get_device_name(device) if cuda else "CPU (Triton interpreter)"
-    print(
-        f"Device: {name}; torch {torch.__version__}, triton {triton.__version__}; {args.dtype}, "
-        f"{args.kv_heads} KV heads x {args.group} query heads each, head_dim {args.head_dim}, "
-        f"page size {args.page_size}.\n"
-    )
+    print(f"Device: {name}; torch {torch.__version__}, triton {triton.__version__}.\n")
     copy_bw = copy_bandwidth(setup, (1 << 30) if cuda else (1 << 20))
     print(f"Device-to-device copy: {copy_bw / 1e9:,.0f} GB/s (bytes read + written per second).\n")
     if args.smoke:
         smoke_check(setup)
-        print()
-    print("## Decode: one query token per request, Triton head-paged attention vs a full-cache baseline\n")
-    print(
-        "KV read = K and V bytes of the retained tokens (the summary adds D² + 2D + 1 fp32 per head). "
-        "GB/s = KV read / time; % copy = that over the copy bandwidth. max abs diff: Triton (no summary) "
-        "vs baseline outputs on the same data.\n"
-    )
-    decode_times = decode_table(setup, args, copy_bw)
-    print("\n## Eviction step vs one decode step\n")
-    print(
-        f"Each head evicts {args.evict_tokens} of its L tokens: SnapKV scores over a {args.window}-query window "
-        "(torch: gather keys, softmax, pool, top-k), then the compaction kernel in place with the evicted "
-        "tokens folded into the MomentKV summary. Decode step: the Triton kernel without summary, as above.\n"
-    )
-    eviction_table(setup, args, decode_times)
+    decode = target_decode(setup, args, copy_bw)
+    eviction = target_eviction(setup, args)
+    if args.json:
+        figures = {
+            "command": shlex.join(command), "device": name, "torch": torch.__version__, "triton": triton.__version__,
+            "smoke": args.smoke, "copy_GBps": copy_bw / 1e9, "target1_decode": decode, "target2_eviction": eviction,
+        }
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=1)
     return 0
 
 
