@@ -172,33 +172,9 @@ def model_folder(args: argparse.Namespace, work: Path) -> Path:
 
 
 def build_gates(model: Path, out: Path, seed: int = GATES_SEED) -> Path:
-    """Retention gates for the model's shapes, drawn from a seeded generator:
-    log β spread over about (-5, -0.01), so retentions differ across tokens,
-    heads and layers and one global ranking has something to rank."""
-    import torch
+    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates
 
-    from vllm_kvevict.policies.gate_checkpoints import save_gates
-    from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
-
-    config = json.loads((model / "config.json").read_text())
-    gate_config = RetentionGateConfig(
-        hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
-        num_kv_heads=config["num_key_value_heads"], width=32, bias_init=3.0,
-        activation=config.get("hidden_act", "silu"), tie_readout=True,
-    )
-    gates = RetentionGates(gate_config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(gates.named_parameters()):
-            if name.startswith("bias"):
-                param.fill_(gate_config.bias_init)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                scale = (2.0 if name.startswith("linear3") else 1.0) / math.sqrt(param.shape[1])
-                param.normal_(0.0, scale, generator=generator)
-    save_gates(out, gates, {"model": "tiny random model", "seed": seed})
-    return out
+    return build_tiny_gates(model, out, seed)
 
 
 # --------------------------------------------------------------------------- one engine

@@ -69,27 +69,6 @@ def _settings(case: str, gates_dir: str) -> dict:
     return eviction
 
 
-def seeded_gates(model_dir: str, out: Path) -> str:
-    """Retention gates for the tiny model drawn from a seeded generator, with
-    log β spread widely enough that the global ranking differs across layers."""
-    import torch
-
-    from vllm_kvevict.policies.gate_checkpoints import save_gates
-    from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    generator = torch.Generator().manual_seed(1234)
-    gates = RetentionGates(RetentionGateConfig(
-        config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"],
-        width=16, bias_init=3.0,
-    ))
-    with torch.no_grad():
-        for parameter in gates.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 + 3.0 * (parameter.dim() == 1))
-    save_gates(out, gates, {})
-    return str(out)
-
-
 def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str, backend: str) -> dict:
     """Every case with each kernel (``backend`` cpu), or the GPU backend's
     cases (``backend`` gpu), one engine at a time: token ids and stats."""
@@ -146,13 +125,13 @@ def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from vllm_kvevict.evaluation.tasks import needle_prompt
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
 
     tiny = str(fetch_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     prompt = tokenizer(needle_prompt(tokenizer, 2718, target_tokens=PROMPT_TOKENS)).input_ids
     work = tmp_path_factory.mktemp("triton_path")
-    gates_dir = seeded_gates(tiny, work / "gates")
+    gates_dir = str(build_tiny_gates(Path(tiny), work / "gates"))
     env = dict(
         os.environ,
         PYTHONSAFEPATH="1",  # the repo's triton_kernels/ must not shadow vLLM's
