@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -276,11 +277,13 @@ def _install() -> None:
     original_from = EngineArgs.__dict__["from_cli_args"].__func__
     original_create = EngineArgs.create_engine_config
 
+    @functools.wraps(original_add)
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = original_add(parser, *args, **kwargs)
         add_eviction_args(parser)
         return parser
 
+    @functools.wraps(original_from)
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
         engine_args = original_from(cls, args)
         # --additional-config '{"kv_eviction": ...}' gets the command line's one-line errors too.
@@ -298,6 +301,7 @@ def _install() -> None:
         }
         return engine_args
 
+    @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _exit_on_command_line(getattr(self, _CLI_MARK, False)):
             config: EvictionConfig | None = config_from_additional(self.additional_config)
@@ -347,6 +351,7 @@ def install_refusal(reason: str) -> None:
     original_from = EngineArgs.__dict__["from_cli_args"].__func__
     original_create = EngineArgs.create_engine_config
 
+    @functools.wraps(original_add)
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = original_add(parser, *args, **kwargs)
         if "--kv-eviction" not in getattr(parser, "_option_string_actions", {}):
@@ -360,6 +365,7 @@ def install_refusal(reason: str) -> None:
                 )
         return parser
 
+    @functools.wraps(original_from)
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
         if getattr(args, "kv_eviction", None) is not None or getattr(args, "kv_eviction_config", None) is not None:
             with _exit_on_command_line(True):
@@ -368,6 +374,7 @@ def install_refusal(reason: str) -> None:
         setattr(engine_args, _CLI_MARK, True)
         return engine_args
 
+    @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _eviction_requested(getattr(self, "additional_config", None)):
             with _exit_on_command_line(getattr(self, _CLI_MARK, False)):
