@@ -548,11 +548,16 @@ def head_paged_attention(
     fp32 = key_cache.dtype == torch.float32
     block_m = 16 if num_tokens <= num_requests else (32 if fp32 else 64)
     block_m = max(block_m, _next_power_of_2(group))
-    block_q = block_m // group
     if fp32:
         block_n = 16 if block_d >= 128 else 32
     else:
         block_n = 64 if block_d <= 128 else 32
+    if _interpreted(_head_paged_attention_kernel):
+        # The interpreter runs each program as numpy calls: fewer, larger
+        # tiles are what makes it fast (there are no registers to spill).
+        block_m = max(block_m, 128 if num_tokens > num_requests else 16)
+        block_n = 128
+    block_q = block_m // group
     num_warps = 4 if block_m <= 16 else 8
     num_tiles = num_tokens // block_q + num_requests
     if num_splits is None:
