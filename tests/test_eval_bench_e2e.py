@@ -52,7 +52,7 @@ def test_bench_against_a_running_server_times_every_token_and_resumes(snapkv_ser
 def test_eval_against_a_running_server_scores_with_rulers_metric_and_resumes(snapkv_server, model_dir, tmp_path):
     out = tmp_path / "eval"
     argv = ["--setting", f"snap={snapkv_server.url}", "--lengths", "1024", "--tasks", "niah_single_2,vt",
-            "--samples-per-task", "1", "--grid-depths", "50", "--tokenizer", model_dir,
+            "--samples-per-task", "1", "--grid-depths", "50", "--grid-samples", "1", "--tokenizer", model_dir,
             "--max-new-tokens", "24", "--out", str(out), "--no-progress"]
     before = requests_served(snapkv_server)
     assert ruler_eval.main(argv) == 0
@@ -60,7 +60,7 @@ def test_eval_against_a_running_server_scores_with_rulers_metric_and_resumes(sna
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in records) == ["needle@50", "niah_single_2", "vt"]
     samples = {s.task: s for s in ruler_eval.build_samples(
-        load_tokenizer(model_dir), [1024], ["niah_single_2", "vt"], 1, 42, "base", [50.0], [1024],
+        load_tokenizer(model_dir), [1024], ["niah_single_2", "vt"], 1, 42, "base", [50.0], [1024], grid_samples=1,
     )[1024]}
     for record in records:
         sample = samples[record["task"]]
@@ -98,4 +98,12 @@ def test_eval_starts_its_own_servers_and_compares_with_the_full_cache(model_dir,
         assert snap["kl_positions"] == min(8, same + 1, len(full["token_ids"]), len(snap["token_ids"]))
         assert snap["kl_sum"] >= 0
     table = (out / "results.md").read_text()
-    assert "| full | 1024 | 100% |" in table and "| snapkv@0.5 | 1024 |" in table
+    assert "| full | 1024 | 100% | 2 |" in table and "| snapkv@0.5 | 1024 |" in table
+    # The finished run compared from its samples.jsonl alone, paired by sample.
+    assert ruler_eval.main(["--out", str(out), "--report-only", "--compare", "snapkv@0.5", "full"]) == 0
+    rows = {r["task"]: r for r in csv.DictReader((out / "comparisons.csv").open())}
+    expected = sum(records[("snapkv@0.5", i)]["score"] - records[("full", i)]["score"] for i in range(2)) / 2
+    assert rows["niah_single_2"]["pairs"] == "2"
+    assert float(rows["niah_single_2"]["difference"]) == pytest.approx(expected, abs=0.01)
+    assert float(rows["mean"]["difference"]) == pytest.approx(expected, abs=0.01)
+    assert "snapkv@0.5 - full: 2 paired samples." in (out / "results.md").read_text()

@@ -10,14 +10,22 @@ settings. Predictions are scored with RULER's own metrics. When a ``full``
 setting is present, every other setting's next-token distributions are compared
 with it (KL, see ``quality.py``).
 
+Every score is a mean over samples (20 per task, 3 per grid cell by default)
+with its 95% percentile-bootstrap interval (``stats.py``). ``--compare A B``
+gives A - B on the samples both settings answered, paired by sample, per task
+and over tasks, with its paired bootstrap interval and whether it excludes 0.
+
 Every finished sample is appended to ``OUT/samples.jsonl`` at once, keyed by
 setting, length and sample, with the setting's exact server configuration, so
-an interrupted run resumes where it stopped and a changed setting is rerun.
-Outputs: ``results.csv``, ``results.md`` (task table, needle grid),
-``accuracy_vs_kept.png`` and ``needle_grid.png``.
+an interrupted run resumes where it stopped and a changed setting is rerun;
+``--report-only`` rebuilds the outputs (and comparisons) from that file alone.
+Outputs: ``results.csv``, ``results.md`` (task table, needle grid,
+comparisons), ``comparisons.csv``, ``accuracy_vs_kept.png`` and
+``needle_grid.png``.
 
     kvevict eval --setting full --setting snapkv@0.5 --setting momentkv@0.5 --lengths 4096
     kvevict eval --endpoint mine=http://gpu-host:8000 --lengths 4096,8192 --tokenizer MODEL
+    kvevict eval --out kvevict-eval --report-only --compare snapkv@0.5 full --compare momentkv@0.5 snapkv@0.5
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ from vllm_kvevict.evaluation.quality import KL_POSITIONS, Completion, compare_to
 from vllm_kvevict.evaluation.ruler import DEFAULT_TASKS, RulerSample
 from vllm_kvevict.evaluation.server import scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import FULL, ServingSetting, eviction_config, parse_setting, pyplot
+from vllm_kvevict.evaluation.stats import (
+    Interval,
+    bootstrap_mean_interval,
+    paired_difference_interval,
+    stratified_bootstrap,
+)
 
 # CPU defaults for the servers this tool starts (fp32, chunked prefill of 512);
 # --server-args replaces them (e.g. for a GPU).
@@ -49,6 +63,8 @@ DEFAULT_SERVER_ARGS = (
     "--enforce-eager --kv-cache-memory-bytes 1500000000"
 )
 GRID_TASK_PREFIX = "needle@"
+SAMPLES_PER_TASK = 20
+GRID_SAMPLES = 3  # per needle depth x length cell
 
 
 # ---------------------------------------------------------------- records
@@ -278,35 +294,47 @@ class EvalRunner:
 
 @dataclass
 class SettingSummary:
-    """Scores of one setting at one length (task samples and grid cells apart)."""
+    """Scores of one setting at one length (task samples and grid cells apart),
+    each a mean over samples with its bootstrap interval (``stats.py``)."""
 
     setting: str
     length: int
     fraction: float | None
-    task_scores: dict[str, float]
-    grid_scores: dict[float, float]  # needle depth (%) -> score
+    task_intervals: dict[str, Interval]
+    grid_intervals: dict[float, Interval]  # needle depth (%) -> score
     mean_kl: float | None
     tokens_kept: float | None
     samples: int
+    mean_interval: Interval | None = None  # RULER's mean over tasks, resampled within each task
+    grid_mean_interval: Interval | None = None  # the grid's mean over depths, the same way
+
+    @property
+    def task_scores(self) -> dict[str, float]:
+        return {task: i.mean for task, i in self.task_intervals.items()}
+
+    @property
+    def grid_scores(self) -> dict[float, float]:
+        return {depth: i.mean for depth, i in self.grid_intervals.items()}
 
     @property
     def mean_score(self) -> float:
         """RULER's average: the mean over tasks of each task's mean."""
-        return sum(self.task_scores.values()) / len(self.task_scores) if self.task_scores else math.nan
+        return self.mean_interval.mean if self.mean_interval is not None else math.nan
 
 
-def summarize(records: Iterable[SampleRecord], settings: list[ServingSetting]) -> list[SettingSummary]:
-    """Per (setting, length): task means, grid cells, mean KL, and the kept
-    fraction = budget / mean prompt tokens of the task samples."""
+def summarize(records: Iterable[SampleRecord], settings: list[ServingSetting] | list[str]) -> list[SettingSummary]:
+    """Per (setting, length, in the order of ``settings``): task means, grid
+    cells, their intervals, mean KL, and the kept fraction = budget / mean
+    prompt tokens of the task samples."""
     groups: dict[tuple[str, int], list[SampleRecord]] = defaultdict(list)
     for record in records:
         groups[(record.setting, record.length)].append(record)
-    order = {s.name: i for i, s in enumerate(settings)}
+    order = {getattr(s, "name", s): i for i, s in enumerate(settings)}
     summaries = []
     for (name, length), group in sorted(groups.items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 0))):
         by_task: dict[str, list[float]] = defaultdict(list)
         by_depth: dict[float, list[float]] = defaultdict(list)
-        for record in group:
+        for record in sorted(group, key=lambda r: (r.task, r.index)):  # not the order they finished in
             if record.task.startswith(GRID_TASK_PREFIX):
                 by_depth[float(record.task.removeprefix(GRID_TASK_PREFIX))].append(record.score)
             else:
@@ -318,85 +346,221 @@ def summarize(records: Iterable[SampleRecord], settings: list[ServingSetting]) -
             r.prompt_tokens for r in group]
         summaries.append(SettingSummary(
             name, length, budgets[0] / float(np.mean(prompts)) if budgets else None,
-            {t: float(np.mean(v)) for t, v in by_task.items()},
-            {d: float(np.mean(v)) for d, v in sorted(by_depth.items())},
+            {t: bootstrap_mean_interval(v) for t, v in by_task.items()},
+            {d: bootstrap_mean_interval(v) for d, v in sorted(by_depth.items())},
             sum(r.kl_sum for r in group) / positions if positions else None,
             kept[-1] if kept else None,
             len(group),
+            stratified_bootstrap(by_task) if by_task else None,
+            stratified_bootstrap(by_depth) if by_depth else None,
         ))
     return summaries
 
 
+SCORE_LEGEND = ("Scores in %: mean [95% bootstrap interval] over samples (2000 resamples, seed 0; "
+                "a mean over tasks or depths resamples within each).")
+
+
 def markdown_tables(summaries: list[SettingSummary], tasks: list[str]) -> str:
-    """The task table (scores in %, RULER's mean, KL from the full cache, tokens
-    kept) and the needle grid (setting x length rows, depth columns)."""
+    """The task table (scores in % with their intervals, RULER's mean, KL from
+    the full cache, tokens kept) and the needle grid (setting x length rows,
+    depth columns)."""
     lines = [
-        "| setting | length | kept | " + " | ".join(tasks) + " | mean | KL vs full | tokens kept |",
-        "|---|---|---|" + "---|" * len(tasks) + "---|---|---|",
+        SCORE_LEGEND, "",
+        "| setting | length | kept | samples | " + " | ".join(tasks) + " | mean | KL vs full | tokens kept |",
+        "|---|---|---|---|" + "---|" * len(tasks) + "---|---|---|",
     ]
     for s in summaries:
-        if not s.task_scores:
+        if not s.task_intervals:
             continue
         kept = f"{s.fraction:.0%}" if s.fraction is not None else "100%" if s.setting == FULL else "-"
         lines.append(
-            f"| {s.setting} | {s.length} | {kept} | "
-            + " | ".join(f"{s.task_scores[t]:.0f}" if t in s.task_scores else "-" for t in tasks)
-            + f" | {s.mean_score:.1f} | {'-' if s.mean_kl is None else f'{s.mean_kl:.4f}'}"
+            f"| {s.setting} | {s.length} | {kept} | {sum(i.n for i in s.task_intervals.values())} | "
+            + " | ".join(s.task_intervals[t].format() if t in s.task_intervals else "-" for t in tasks)
+            + f" | {s.mean_interval.format(1)} | {'-' if s.mean_kl is None else f'{s.mean_kl:.4f}'}"
             + f" | {'-' if s.tokens_kept is None else f'{s.tokens_kept:.0f}'} |"
         )
-    depths = sorted({d for s in summaries for d in s.grid_scores})
+    depths = sorted({d for s in summaries for d in s.grid_intervals})
     if depths:
-        lines += ["", "Needle depth x length (score %, single needle at the given depth):", "",
-                  "| setting | length | " + " | ".join(f"{d:g}%" for d in depths) + " | mean |",
-                  "|---|---|" + "---|" * len(depths) + "---|"]
+        lines += ["", "Needle depth x length (score %, one needle per prompt at the given depth):", "",
+                  "| setting | length | samples | " + " | ".join(f"{d:g}%" for d in depths) + " | mean |",
+                  "|---|---|---|" + "---|" * len(depths) + "---|"]
         for s in summaries:
-            if s.grid_scores:
-                lines.append(f"| {s.setting} | {s.length} | "
-                             + " | ".join(f"{s.grid_scores[d]:.0f}" if d in s.grid_scores else "-" for d in depths)
-                             + f" | {np.mean(list(s.grid_scores.values())):.0f} |")
+            if s.grid_intervals:
+                counts = sorted({i.n for i in s.grid_intervals.values()})
+                per_cell = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+                lines.append(f"| {s.setting} | {s.length} | {per_cell} per cell | "
+                             + " | ".join(s.grid_intervals[d].format() if d in s.grid_intervals else "-"
+                                          for d in depths)
+                             + f" | {s.grid_mean_interval.format()} |")
     return "\n".join(lines)
 
 
+def _number(value: float | None, digits: int) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _interval_columns(interval: Interval | None, digits: int = 2) -> list[str]:
+    if interval is None:
+        return ["", "", ""]
+    return [_number(interval.mean, digits), _number(interval.low, digits), _number(interval.high, digits)]
+
+
 def results_csv(summaries: list[SettingSummary], tasks: list[str]) -> str:
-    depths = sorted({d for s in summaries for d in s.grid_scores})
-    header = ["setting", "length", "fraction", *tasks, "mean_score", "mean_kl", "tokens_kept",
-              *(f"needle@{d:g}" for d in depths), "samples"]
+    """One row per (setting, length); every score with its interval (NAME,
+    NAME_low, NAME_high)."""
+    depths = sorted({d for s in summaries for d in s.grid_intervals})
+
+    def triple(name: str) -> list[str]:
+        return [name, f"{name}_low", f"{name}_high"]
+
+    header = ["setting", "length", "fraction", *(c for t in tasks for c in triple(t)), *triple("mean_score"),
+              "mean_kl", "tokens_kept", *(c for d in depths for c in triple(f"needle@{d:g}")),
+              *triple("needle_mean"), "samples"]
     rows = [",".join(header)]
-
-    def number(value: float | None, digits: int) -> str:
-        return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
     for s in summaries:
         rows.append(",".join([
-            s.setting, str(s.length), number(s.fraction, 3),
-            *(number(s.task_scores.get(t), 2) for t in tasks), number(s.mean_score, 2),
-            number(s.mean_kl, 6), number(s.tokens_kept, 1),
-            *(number(s.grid_scores.get(d), 2) for d in depths), str(s.samples),
+            s.setting, str(s.length), _number(s.fraction, 3),
+            *(c for t in tasks for c in _interval_columns(s.task_intervals.get(t))),
+            *_interval_columns(s.mean_interval), _number(s.mean_kl, 6), _number(s.tokens_kept, 1),
+            *(c for d in depths for c in _interval_columns(s.grid_intervals.get(d))),
+            *_interval_columns(s.grid_mean_interval), str(s.samples),
         ]))
     return "\n".join(rows) + "\n"
 
 
+# ---------------------------------------------------------------- paired comparison
+
+
+@dataclass
+class ComparisonRow:
+    """A - B on the samples both settings have: one task, RULER's mean over
+    tasks, or the needle grid, at one length (``None``: all lengths)."""
+
+    a: str
+    b: str
+    length: int | None
+    row: str  # a task, MEAN_ROW or GRID_ROW
+    mean_a: float
+    mean_b: float
+    difference: Interval  # paired bootstrap interval of mean(A) - mean(B)
+
+
+MEAN_ROW = "mean"
+GRID_ROW = "needle grid"
+
+
+def _stratified_mean(scores: dict[tuple, float], stratum: Any) -> float:
+    groups: dict[Any, list[float]] = defaultdict(list)
+    for key, score in scores.items():
+        groups[stratum(key)].append(score)
+    return float(np.mean([np.mean(v) for v in groups.values()]))
+
+
+def compare(records: Iterable[SampleRecord], a: str, b: str, tasks: list[str] | None = None) -> list[ComparisonRow]:
+    """Setting ``a`` minus setting ``b`` on the samples both have, matched by
+    (length, task, index, prompt hash): the same prompt, so the same seed, per
+    task, for RULER's mean over tasks (stratified by task), and for the needle
+    grid (stratified by depth), at each length, then over all lengths when
+    there are several (stratified by length and task or depth)."""
+    scores: dict[str, dict[tuple, float]] = {a: {}, b: {}}
+    for record in records:
+        if record.setting in scores:
+            scores[record.setting][(record.length, record.task, record.index, record.prompt_sha)] = record.score
+    for name in (a, b):
+        if not scores[name]:
+            raise ValueError(f"no samples of setting {name!r} to compare")
+    common = scores[a].keys() & scores[b].keys()
+    if not common:
+        raise ValueError(f"settings {a!r} and {b!r} have no sample in common: compare runs of the same "
+                         "lengths, tasks, seed, prompt format and --max-new-tokens")
+    known = list(tasks or [])
+    order = {t: i for i, t in enumerate(known)}
+
+    def row(length: int | None, name: str, keys: list[tuple], stratum: Any = None) -> ComparisonRow:
+        pa = {k: scores[a][k] for k in keys}
+        pb = {k: scores[b][k] for k in keys}
+        means = ((_stratified_mean(pa, stratum), _stratified_mean(pb, stratum)) if stratum
+                 else (float(np.mean(list(pa.values()))), float(np.mean(list(pb.values())))))
+        return ComparisonRow(a, b, length, name, *means, paired_difference_interval(pa, pb, strata=stratum))
+
+    rows: list[ComparisonRow] = []
+    lengths = sorted({k[0] for k in common})
+    for length in lengths + ([None] if len(lengths) > 1 else []):
+        keys = sorted(k for k in common if length is None or k[0] == length)
+        task_keys = [k for k in keys if not k[1].startswith(GRID_TASK_PREFIX)]
+        grid_keys = [k for k in keys if k[1].startswith(GRID_TASK_PREFIX)]
+        if length is not None:
+            for task in sorted({k[1] for k in task_keys}, key=lambda t: (order.get(t, len(order)), t)):
+                rows.append(row(length, task, [k for k in task_keys if k[1] == task]))
+        if task_keys:
+            rows.append(row(length, MEAN_ROW, task_keys, lambda k: (k[0], k[1])))
+        if grid_keys:
+            rows.append(row(length, GRID_ROW, grid_keys, lambda k: (k[0], k[1])))
+    return rows
+
+
+def comparison_table(rows: list[ComparisonRow], only_a: int = 0, only_b: int = 0) -> str:
+    """One comparison as Markdown: per row, the pairs, each setting's mean on
+    them, A - B with its 95% paired bootstrap interval, and whether the
+    interval excludes 0."""
+    a, b = rows[0].a, rows[0].b
+    pairs = sum(r.difference.n for r in rows if r.length is not None and r.row in (MEAN_ROW, GRID_ROW))
+    unmatched = f"; left out: {only_a} samples only {a}'s, {only_b} only {b}'s" if only_a or only_b else ""
+    lines = [(f"{a} - {b}: {pairs} paired samples{unmatched}. Score points, A - B [95% paired "
+              "bootstrap interval] (a mean over tasks or depths resamples within each)."), "",
+             f"| length | task | pairs | {a} | {b} | A - B [95%] | excludes 0 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {'all' if r.length is None else r.length} | {r.row} | {r.difference.n} | "
+                     f"{r.mean_a:.1f} | {r.mean_b:.1f} | {r.difference.format(1, sign=True)} | "
+                     f"{'yes' if r.difference.excludes_zero else 'no'} |")
+    return "\n".join(lines)
+
+
+def comparisons_csv(rows: list[ComparisonRow]) -> str:
+    lines = ["a,b,length,task,pairs,mean_a,mean_b,difference,difference_low,difference_high,excludes_zero"]
+    for r in rows:
+        lines.append(",".join([r.a, r.b, "all" if r.length is None else str(r.length), r.row,
+                               str(r.difference.n), f"{r.mean_a:.2f}", f"{r.mean_b:.2f}",
+                               *_interval_columns(r.difference), str(r.difference.excludes_zero).lower()]))
+    return "\n".join(lines) + "\n"
+
+
+def unmatched_counts(records: Iterable[SampleRecord], a: str, b: str) -> tuple[int, int]:
+    """Samples of ``a`` that ``b`` lacks, and of ``b`` that ``a`` lacks."""
+    keys: dict[str, set] = {a: set(), b: set()}
+    for r in records:
+        if r.setting in keys:
+            keys[r.setting].add((r.length, r.task, r.index, r.prompt_sha))
+    return len(keys[a] - keys[b]), len(keys[b] - keys[a])
+
+
 def plot_accuracy_vs_kept(summaries: list[SettingSummary], path: Path) -> None:
-    """Mean RULER score against the kept fraction, one line per policy, one panel
-    per length; the full cache is the point at 100%."""
+    """Mean RULER score against the kept fraction, one line per policy with
+    its 95% intervals as error bars, one panel per length; the full cache is
+    the point at 100% and a dashed line with its interval shaded."""
     plt = pyplot()
-    lengths = sorted({s.length for s in summaries if s.task_scores})
+    lengths = sorted({s.length for s in summaries if s.task_intervals})
     fig, axes = plt.subplots(1, max(1, len(lengths)), figsize=(5.5 * max(1, len(lengths)), 4), squeeze=False)
     for ax, length in zip(axes[0], lengths):
-        rows = [s for s in summaries if s.length == length and s.task_scores]
-        lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        full = [s.mean_score for s in rows if s.fraction is None and s.setting == FULL]
+        rows = [s for s in summaries if s.length == length and s.task_intervals]
+        lines: dict[str, list[tuple[float, Interval]]] = defaultdict(list)
+        full = [s.mean_interval for s in rows if s.fraction is None and s.setting == FULL]
         for s in rows:
             if s.fraction is not None:
-                lines[s.setting.rsplit("@", 1)[0]].append((s.fraction, s.mean_score))
+                lines[s.setting.rsplit("@", 1)[0]].append((s.fraction, s.mean_interval))
             elif s.setting != FULL:
                 ax.axhline(s.mean_score, linestyle=":", color="grey")
                 ax.annotate(s.setting, (0.02, s.mean_score), fontsize=8)
-        for policy, points in sorted(lines.items()):
-            points = sorted(points) + ([(1.0, full[0])] if full else [])
-            ax.plot([p[0] * 100 for p in points], [p[1] for p in points], marker="o", label=policy)
+        for policy, points in sorted(lines.items(), key=lambda kv: kv[0]):
+            points = sorted(points, key=lambda p: p[0]) + ([(1.0, full[0])] if full else [])
+            means = [p[1].mean for p in points]
+            errors = [[m - p[1].low for m, p in zip(means, points)], [p[1].high - m for m, p in zip(means, points)]]
+            ax.errorbar([p[0] * 100 for p in points], means, yerr=errors, marker="o", capsize=3, label=policy)
         if full:
-            ax.axhline(full[0], linestyle="--", color="black", label="full cache")
+            ax.axhline(full[0].mean, linestyle="--", color="black", label="full cache")
+            ax.axhspan(full[0].low, full[0].high, color="black", alpha=0.08)
         ax.set_title(f"RULER at {length} tokens")
         ax.set_xlabel("KV kept (% of the prompt)")
         ax.set_ylabel("mean score (%)")
@@ -445,10 +609,15 @@ def plot_needle_grid(summaries: list[SettingSummary], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(out_dir: Path, summaries: list[SettingSummary], tasks: list[str]) -> str:
-    table = markdown_tables(summaries, tasks)
+def write_outputs(out_dir: Path, summaries: list[SettingSummary], tasks: list[str],
+                  comparisons: list[str] = (), comparison_rows: list[ComparisonRow] = ()) -> str:
+    """results.md (the tables, then each comparison), results.csv, the plots,
+    and comparisons.csv when settings were compared; returns the Markdown."""
+    table = "\n\n".join([markdown_tables(summaries, tasks), *comparisons])
     (out_dir / "results.md").write_text(table + "\n")
     (out_dir / "results.csv").write_text(results_csv(summaries, tasks))
+    if comparison_rows:
+        (out_dir / "comparisons.csv").write_text(comparisons_csv(list(comparison_rows)))
     plot_accuracy_vs_kept(summaries, out_dir / "accuracy_vs_kept.png")
     plot_needle_grid(summaries, out_dir / "needle_grid.png")
     return table
@@ -458,7 +627,11 @@ def write_outputs(out_dir: Path, summaries: list[SettingSummary], tasks: list[st
 
 
 def build_samples(tokenizer: Any, lengths: list[int], tasks: list[str], per_task: int, seed: int,
-                  prompt_format: str, grid_depths: list[float], grid_lengths: list[int]) -> dict[int, list[RulerSample]]:
+                  prompt_format: str, grid_depths: list[float], grid_lengths: list[int],
+                  grid_samples: int = GRID_SAMPLES) -> dict[int, list[RulerSample]]:
+    """Per length: ``per_task`` samples of each task, and ``grid_samples``
+    needles at each grid depth (needle ``i`` is the same at every depth and
+    length: only its position and the haystack change)."""
     from vllm_kvevict.evaluation.ruler import RulerGenerator
 
     by_length: dict[int, list[RulerSample]] = {}
@@ -466,13 +639,32 @@ def build_samples(tokenizer: Any, lengths: list[int], tasks: list[str], per_task
         generator = RulerGenerator(tokenizer, length, seed, prompt_format)
         samples = generator.samples(tasks, per_task) if length in lengths else []
         if length in grid_lengths:
-            samples += [generator.needle_at_depth(depth, 0) for depth in grid_depths]
+            samples += [generator.needle_at_depth(depth, index)
+                        for depth in grid_depths for index in range(grid_samples)]
         by_length[length] = samples
     return by_length
 
 
 def _numbers(text: str, kind: type) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def ordered_tasks(records: Iterable[SampleRecord]) -> list[str]:
+    """The tasks in records, RULER's default order first (grid needles apart)."""
+    found = {r.task for r in records if not r.task.startswith(GRID_TASK_PREFIX)}
+    return [t for t in DEFAULT_TASKS if t in found] + sorted(found - set(DEFAULT_TASKS))
+
+
+def report(out_dir: Path, records: list[SampleRecord], names: list[str], tasks: list[str],
+           pairs: list[tuple[str, str]]) -> str:
+    """Summaries, tables, plots and the paired comparisons of ``records``."""
+    summaries = summarize(records, names)
+    comparisons, comparison_rows = [], []
+    for a, b in pairs:
+        rows = compare(records, a, b, tasks)
+        comparisons.append(comparison_table(rows, *unmatched_counts(records, a, b)))
+        comparison_rows += rows
+    return write_outputs(out_dir, summaries, tasks, comparisons, comparison_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,11 +684,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer for prompt lengths (default: the served model's)")
     parser.add_argument("--lengths", default="4096", help="comma-separated target lengths (tokens)")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated RULER tasks")
-    parser.add_argument("--samples-per-task", type=int, default=2)
+    parser.add_argument("--samples-per-task", type=int, default=SAMPLES_PER_TASK)
     parser.add_argument("--grid-depths", default="0,25,50,75,100",
                         help="needle depths (%%) of the depth x length grid; '' for none")
     parser.add_argument("--grid-lengths", default=None,
                         help="lengths of the grid (default: the eval lengths)")
+    parser.add_argument("--grid-samples", type=int, default=GRID_SAMPLES,
+                        help="needles per depth x length cell of the grid")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--prompt-format", choices=["base", "chat"], default="base")
     parser.add_argument("--max-new-tokens", type=int, default=128,
@@ -509,15 +703,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight per server")
     parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                         help="vllm serve flags for the servers the tool starts")
+    parser.add_argument("--compare", nargs=2, action="append", default=[], metavar=("A", "B"),
+                        help="setting A minus setting B on the samples both have (paired by sample), "
+                        "per task and over tasks, with a 95%% paired bootstrap interval; repeatable")
+    parser.add_argument("--report-only", action="store_true",
+                        help="serve nothing: tables, plots and --compare from OUT/samples.jsonl as it "
+                        "stands (every setting, length and task in it, or only the --setting names)")
     parser.add_argument("--out", type=Path, default=Path("kvevict-eval"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.samples_per_task < 1 or args.grid_samples < 1:
+        parser.error("--samples-per-task and --grid-samples must be at least 1")
+    for a, b in args.compare:
+        if a == b:
+            parser.error(f"--compare {a} {b}: compare two different settings")
+
+    if args.report_only:
+        return report_only(parser, args)
 
     settings = [parse_setting(s) for s in [*args.setting, *args.endpoint]] or [
         parse_setting(FULL), parse_setting("snapkv@0.5"), parse_setting("snapkv@0.2")]
     names = [s.name for s in settings]
     if len(set(names)) != len(names):
         parser.error(f"settings must have distinct names: {names}")
+    for name in {n for pair in args.compare for n in pair} - set(names):
+        parser.error(f"--compare {name}: not a setting of this run ({', '.join(names)})")
     lengths = _numbers(args.lengths, int)
     grid_depths = _numbers(args.grid_depths, float)
     grid_lengths = _numbers(args.grid_lengths, int) if args.grid_lengths else (lengths if grid_depths else [])
@@ -536,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(tokenizer_source)
     start = time.perf_counter()
     samples = build_samples(tokenizer, lengths, tasks, args.samples_per_task, args.seed,
-                            args.prompt_format, grid_depths, grid_lengths)
+                            args.prompt_format, grid_depths, grid_lengths, args.grid_samples)
     for length, group in samples.items():
         tokens = [s.prompt_tokens for s in group]
         print(f"{length}: {len(group)} samples, prompt tokens {min(tokens)}..{max(tokens)} "
@@ -545,11 +755,34 @@ def main(argv: list[str] | None = None) -> int:
                         max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
                         concurrency=args.concurrency, progress=not args.no_progress)
     records = runner.run(settings, samples)
-    table = write_outputs(args.out, summarize(records, settings), tasks)
-    print(f"\n{args.samples_per_task} samples per task, {args.prompt_format} prompts, seed {args.seed}; "
-          "scores in %; KL(full || setting) in nats over the first generated positions on the "
-          "full cache's greedy path\n")
+    table = report(args.out, records, names, tasks, [tuple(pair) for pair in args.compare])
+    grid = f", {args.grid_samples} per grid cell" if grid_depths else ""
+    print(f"\n{args.samples_per_task} samples per task{grid}, {args.prompt_format} prompts, seed {args.seed}; "
+          "KL(full || setting) in nats over the first generated positions on the full cache's greedy path\n")
     print(table)
     print(f"\nwritten to {args.out}/ (results.csv, results.md, samples.jsonl, plots) in "
           f"{time.perf_counter() - start:.0f}s", flush=True)
+    return 0
+
+
+def report_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--report-only``: the outputs of a finished or interrupted run, from its
+    samples.jsonl (the latest record of each sample), without serving."""
+    path = args.out / "samples.jsonl"
+    if not path.exists():
+        parser.error(f"--report-only: no {path}")
+    records = list(RecordLog(path).records.values())
+    found = list(dict.fromkeys(r.setting for r in records))
+    wanted = [parse_setting(s).name for s in [*args.setting, *args.endpoint]] or found
+    missing = [n for n in dict.fromkeys([*wanted, *(n for pair in args.compare for n in pair)]) if n not in found]
+    if missing:
+        parser.error(f"--report-only: no samples of {', '.join(missing)} in {path} "
+                     f"(settings there: {', '.join(found) or 'none'})")
+    names = wanted + [n for pair in args.compare for n in pair if n not in wanted]
+    records = [r for r in records if r.setting in names]
+    table = report(args.out, records, names, ordered_tasks(records), [tuple(pair) for pair in args.compare])
+    print(f"{len(records)} samples from {path}\n")
+    print(table)
+    print(f"\nwritten to {args.out}/ (results.csv, results.md{', comparisons.csv' if args.compare else ''}, "
+          "plots)", flush=True)
     return 0
