@@ -42,7 +42,6 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.point import EvictionPoint
-from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
 from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
@@ -285,18 +284,8 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
                 plan, layer_index, query, cache, output, query_start, seq_lens, requests,
                 region_start, block_offset,
             )
-        state = plan.state
-        rows = plan.state_rows[requests]
-        moments = state.moments[layer_index] if state.moments else None
-        batch = HeadPagedBatch(
-            head_page_table=state.head_pages[layer_index].index_select(0, rows),
-            head_lens=state.head_lens[layer_index].index_select(0, rows),
-            query_start_loc=torch.as_tensor(query_start, dtype=torch.int32),
-            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32),
-            block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
-            region_start=region_start.to(torch.int32),
-            moments=moments,
-            moment_rows=rows.to(torch.int32) if moments is not None else None,
+        batch = plan.head_paged_batch(
+            layer_index, requests, query_start, seq_lens, region_start, block_offset, query.device
         )
         layout = plan.backend_data
         out, _ = cpu_ops.head_paged_attention(

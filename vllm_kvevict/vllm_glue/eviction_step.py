@@ -44,6 +44,7 @@ from vllm_kvevict.eviction.slots import evict_slots
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
+from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.gate_capture import current_capture
 from vllm_kvevict.vllm_glue.isolation_check import PoisonFreedBlocks, StepObserver
 from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
@@ -153,6 +154,34 @@ class EvictionStepPlan:
             n = len(self.seq_lens)
             self._device_lengths = (moved[: n + 1], moved[n + 1 : 2 * n + 1], moved[2 * n + 1 :])
         return self._device_lengths
+
+    def head_paged_batch(
+        self, layer_index: int, requests: slice, query_start: list[int] | torch.Tensor,
+        seq_lens: list[int] | torch.Tensor, region_start: torch.Tensor, block_offset: int,
+        device: torch.device,
+    ) -> HeadPagedBatch:
+        """What the head-paged attention kernels read for the batch's
+        ``requests`` in one layer (with slots storage: no compacted tokens)."""
+        state = self.state
+        rows = self.state_rows[requests]
+        if self.storage == "slots":
+            num_requests = len(seq_lens)
+            page_table = torch.zeros(num_requests, state.num_kv_heads, 1, dtype=torch.int32, device=device)
+            head_lens = torch.zeros(num_requests, state.num_kv_heads, dtype=torch.int32, device=device)
+        else:
+            page_table = state.head_pages[layer_index].index_select(0, rows)
+            head_lens = state.head_lens[layer_index].index_select(0, rows)
+        moments = state.moments[layer_index] if state.moments else None
+        return HeadPagedBatch(
+            head_page_table=page_table,
+            head_lens=head_lens,
+            query_start_loc=torch.as_tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=self.block_table[: len(self.seq_lens)][requests].to(torch.int32) + block_offset,
+            region_start=region_start.to(device=device, dtype=torch.int32),
+            moments=moments,
+            moment_rows=rows.to(torch.int32) if moments is not None else None,
+        )
 
     @property
     def max_region_len(self) -> int:

@@ -19,7 +19,6 @@ import torch
 from vllm.v1.attention.backend import AttentionLayer
 
 from vllm_kvevict.eviction.point import EvictionPoint
-from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.eviction_step import EvictingImpl, EvictionStepPlan
 from vllm_kvevict.vllm_glue.triton_cache import TritonPagedCache
 
@@ -70,25 +69,8 @@ class TritonEvictingImpl(EvictingImpl):
         from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
 
         assert isinstance(cache, TritonPagedCache)
-        state, device = plan.state, query.device
-        rows = plan.state_rows[requests]
-        num_requests = len(seq_lens)
-        if plan.storage == "slots":  # no compacted tokens: the standard region only
-            page_table = torch.zeros(num_requests, state.num_kv_heads, 1, dtype=torch.int32, device=device)
-            head_lens = torch.zeros(num_requests, state.num_kv_heads, dtype=torch.int32, device=device)
-        else:
-            page_table = state.head_pages[layer_index].index_select(0, rows)
-            head_lens = state.head_lens[layer_index].index_select(0, rows)
-        moments = state.moments[layer_index] if state.moments else None
-        batch = HeadPagedBatch(
-            head_page_table=page_table,
-            head_lens=head_lens,
-            query_start_loc=torch.as_tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=plan.block_table[: len(plan.seq_lens)][requests].to(torch.int32) + block_offset,
-            region_start=region_start.to(device=device, dtype=torch.int32),
-            moments=moments,
-            moment_rows=rows.to(torch.int32) if moments is not None else None,
+        batch = plan.head_paged_batch(
+            layer_index, requests, query_start, seq_lens, region_start, block_offset, query.device
         )
         out, _ = head_paged_attention(
             query, cache.key_cache, cache.value_cache, batch, self.scale,
