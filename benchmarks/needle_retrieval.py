@@ -68,7 +68,7 @@ def main() -> None:
         completion, chat, seconds = run_setting(model, SETTINGS[name], args.tokens)
         rows.append((name, completion, chat, seconds))
         print(json.dumps({"setting": name, "completion": completion, "chat": chat}), flush=True)
-    print(f"\n| setting | config | completion hits | chat hits | seconds |\n|---|---|---|---|---|")
+    print("\n| setting | config | completion hits | chat hits | seconds |\n|---|---|---|---|---|")
     for name, completion, chat, seconds in rows:
         config = json.dumps(SETTINGS[name]) if SETTINGS[name] else "no eviction"
         print(f"| {name} | `{config}` | {completion}/{len(KEYS)} | {chat}/{len(KEYS)} | {seconds:.0f} |")

@@ -33,13 +33,14 @@ FIELDS = [
     "attention_kernel",
     "head_budget",
     "head_budget_floor",
+    "pyramid_beta",
     "moment_correction",
     "moment_covariance",
     "storage",
 ]
 POLICY_NAMES = [
     "criticalkv", "expected_attention", "h2o", "keydiff", "knorm", "momentkv",
-    "random", "snapkv", "streamingllm", "tova",
+    "pyramidkv", "random", "snapkv", "streamingllm", "tova",
 ]
 
 SETTINGS = {
@@ -57,6 +58,7 @@ SETTINGS = {
     "attention_kernel": "torch",
     "head_budget": "adaptive",
     "head_budget_floor": 0.3,
+    "pyramid_beta": 10.0,
     "moment_correction": True,
     "moment_covariance": "diagonal",
     "storage": "head_pages",
@@ -78,6 +80,7 @@ poison_freed_blocks: true
 attention_kernel: torch
 head_budget: adaptive
 head_budget_floor: 0.3
+pyramid_beta: 10.0
 moment_correction: true
 moment_covariance: diagonal
 storage: head_pages
@@ -133,6 +136,7 @@ def test_defaults_and_no_flags():
         "attention_kernel": "auto",
         "head_budget": "uniform",
         "head_budget_floor": 0.2,
+        "pyramid_beta": 20.0,
         "moment_correction": False,
         "moment_covariance": "full",
         "storage": None,

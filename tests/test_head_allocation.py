@@ -1,4 +1,4 @@
-"""Head budget allocation (uniform, AdaKV), page rounding and per-head selection,
+"""Head budget allocation (uniform, AdaKV, PyramidKV), page rounding and per-head selection,
 against brute-force loop implementations of their definitions."""
 
 import pytest
@@ -6,7 +6,10 @@ import torch
 
 from vllm_kvevict.policies.allocation import (
     AdaKVAllocation,
+    PyramidAllocation,
     UniformAllocation,
+    allocate_head_tokens,
+    pyramid_layer_budgets,
     round_to_pages,
     select_top,
 )
@@ -148,3 +151,66 @@ def test_allocate_head_tokens_keeps_floor_protected_and_pages(seed):
     assert int(((kept + page - 1) // page).sum()) <= total_pages
     assert bool((kept <= live).all())
     assert bool((kept >= torch.minimum(live, torch.maximum(protected, torch.tensor(floor)))).all())
+
+
+# ------------------------------------------------------------------ PyramidKV
+
+
+@pytest.mark.parametrize("num_layers,mean,beta", [(30, 220.0, 20.0), (2, 100.0, 4.0), (7, 37.5, 1.0)])
+def test_pyramid_layer_budgets_follow_the_paper(num_layers, mean, beta):
+    """PyramidKV's schedule, written out: last layer m/β, first 2m - m/β,
+    equal steps between, the mean m (the uniform budget's memory)."""
+    budgets = pyramid_layer_budgets(mean, num_layers, beta)
+    assert budgets[-1] == pytest.approx(mean / beta)
+    assert budgets[0] == pytest.approx(2 * mean - mean / beta)
+    steps = [a - b for a, b in zip(budgets, budgets[1:])]
+    assert all(step == pytest.approx(steps[0]) for step in steps)
+    assert sum(budgets) / num_layers == pytest.approx(mean)
+    assert pyramid_layer_budgets(mean, 1, beta) == [mean]
+    with pytest.raises(ValueError, match="pyramid_beta"):
+        pyramid_layer_budgets(mean, num_layers, 0.5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pyramid_allocation_pages(seed):
+    """Through allocate_head_tokens: whole pages, the uniform budget's pages in
+    all, every head of a layer the same count, counts falling with depth, each
+    head its protected tokens plus the layer's pyramid share (up to a page)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_layers, num_heads, width, page = 6, 3, 400, 8
+    scores = torch.rand(num_layers * num_heads, width, generator=gen)
+    scores[:, :4] = float("inf")  # sinks
+    scores[:, -12:] = float("inf")  # recent window
+    per_head_pages = 10
+    total_pages = num_layers * num_heads * per_head_pages
+    counts = allocate_head_tokens(PyramidAllocation(beta=5.0), scores, total_pages, page, num_layers)
+    assert int(((counts + page - 1) // page).sum()) <= total_pages
+    assert all(int(c) % page == 0 for c in counts)
+    by_layer = counts.view(num_layers, num_heads)
+    assert bool((by_layer == by_layer[:, :1]).all())
+    assert bool((by_layer[:-1, 0] >= by_layer[1:, 0]).all()) and by_layer[0, 0] > by_layer[-1, 0]
+    free = per_head_pages * page - 16
+    expected = torch.tensor(pyramid_layer_budgets(free, num_layers, 5.0)) + 16
+    assert bool(((by_layer[:, 0] - expected).abs() <= page).all())
+    # Heads of different layers must not be mixed up: layer-major streams.
+    with pytest.raises(ValueError, match="do not split"):
+        PyramidAllocation().token_counts(scores[:-1], total_pages * page, num_layers)
+
+
+def test_pyramid_config_defaults_and_refusals():
+    from vllm_kvevict.config import KVEvictionConfigError, build_config
+
+    config = build_config({"policy": "pyramidkv", "budget": 256})
+    assert config.head_budget == "pyramid" and config.pools_layers and config.uses_head_pages
+    assert isinstance(config.build_allocation(), PyramidAllocation)
+    assert config.build_allocation().beta == 20.0
+    assert build_config({"policy": "snapkv", "budget": 256, "head_budget": "pyramid"}).pools_layers
+    for bad in (
+        {"policy": "criticalkv", "head_budget": "pyramid"},
+        {"policy": "momentkv", "head_budget": "pyramid"},
+        {"policy": "snapkv", "head_budget": "pyramid", "moment_correction": True},
+    ):
+        with pytest.raises(KVEvictionConfigError, match="pyramid"):
+            build_config({"budget": 256, **bad})
+    with pytest.raises(KVEvictionConfigError, match="pyramid_beta"):
+        build_config({"policy": "pyramidkv", "budget": 256, "pyramid_beta": 0.5})

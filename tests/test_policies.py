@@ -232,7 +232,7 @@ def test_streamingllm_dense_sequence():
 def test_policy_registry():
     assert sorted(POLICIES) == [
         "criticalkv", "expected_attention", "h2o", "keydiff", "knorm",
-        "learned", "momentkv", "random", "snapkv", "streamingllm", "tova",
+        "learned", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm", "tova",
     ]
     assert policy_options("snapkv") == {"kernel_size": 7, "pooling": "max"}
     assert policy_options("streamingllm") == {}
@@ -243,7 +243,7 @@ def test_policy_registry():
 
 def test_make_policy_errors():
     with pytest.raises(ValueError, match="criticalkv, expected_attention, h2o, keydiff"):
-        make_policy("pyramidkv")
+        make_policy("scissorhands")
     with pytest.raises(ValueError, match="kernel_size, pooling"):
         make_policy("snapkv", {"window": 3})
     with pytest.raises(ValueError, match="none"):

@@ -30,6 +30,12 @@ CASES = {
     # Needs the layer's output projection (read through o_proj's quant method).
     "criticalkv-adaptive": {"policy": "criticalkv", "budget": 512, "head_budget": "adaptive"},
     "h2o": {"policy": "h2o", "budget": 512},
+    # Layer budgets falling with depth: every layer ranked after the last one,
+    # in the pool of every layer's blocks, with each layer's own queries (at
+    # the prompt's end and at the decode evictions; per_chunk: also mid-prompt,
+    # the window partly from earlier steps).
+    "pyramidkv": {"policy": "pyramidkv", "budget": 256},
+    "pyramidkv-per-chunk": {"policy": "pyramidkv", "budget": 256, "prefill_mode": "per_chunk"},
     "random": {"policy": "random", "budget": 512},
     # Gates shipped for the default model; one ranking over every layer and
     # head (eager here, compiled in test_learned_e2e.py).

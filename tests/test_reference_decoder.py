@@ -380,3 +380,69 @@ def test_streaming_llm_keeps_sinks_and_recent(
     # An independent implementation of the same eviction (stock transformers,
     # cache + explicit mask) must produce the same greedy tokens.
     assert tokens == greedy_with_masked_cache(hf_model, prompt_ids, NEW_TOKENS, CHUNK_SIZE, retained)
+
+
+# ------------------------------------------------ one prompt, several settings
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(policy="snapkv"),
+        dict(policy="snapkv", head_budget="adaptive"),
+        dict(policy="momentkv"),
+        dict(policy="snapkv", head_budget="adaptive", moment_correction=True),
+        dict(policy="criticalkv"),
+        dict(policy="pyramidkv"),
+        None,
+    ],
+    ids=["snapkv", "adakv", "momentkv", "correction", "criticalkv", "pyramidkv", "full"],
+)
+def test_continue_from_one_prefill_equals_generate(
+    model_dir: Path, prompt_ids: list[int], overrides: dict[str, Any] | None
+) -> None:
+    """run_prompt + continue_from (one full-cache prefill shared by settings)
+    gives generate's tokens and retained positions, per setting, on a decoder
+    that ran other settings before."""
+    config = None if overrides is None else EvictionConfig(
+        prefill_mode="end_of_prompt", **{**EVICTION, "decode_interval": 8}, **overrides
+    )
+    expected = ReferenceEvictingDecoder(model_dir, config, chunk_size=CHUNK_SIZE)
+    want = expected.generate(prompt_ids, NEW_TOKENS)
+    shared = ReferenceEvictingDecoder(model_dir, None, chunk_size=CHUNK_SIZE)
+    state = shared.run_prompt(prompt_ids, keep_queries=32)
+    other = EvictionConfig(policy="knorm", budget=96, prefill_mode="end_of_prompt")  # runs first; must leave nothing behind
+    shared.continue_from(state, other, 5)
+    got = shared.continue_from(state, config, NEW_TOKENS)
+    assert got == want
+    for mine, theirs in zip(shared.retained_positions, expected.retained_positions, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_continue_from_refuses_evictions_inside_the_prompt(model_dir: Path, prompt_ids: list[int]) -> None:
+    decoder = ReferenceEvictingDecoder(model_dir, None)
+    state = decoder.run_prompt(prompt_ids, keep_queries=8)
+    with pytest.raises(ValueError, match="end-of-prompt eviction"):
+        decoder.continue_from(state, EvictionConfig(policy="snapkv", prefill_mode="per_chunk", **EVICTION), 4)
+    with pytest.raises(ValueError, match="keep_queries=32"):
+        decoder.continue_from(state, EvictionConfig(
+            policy="snapkv", prefill_mode="end_of_prompt", **{**EVICTION, "observation_window": 32}), 4)
+
+
+def test_pyramidkv_layers_keep_falling_budgets_at_the_uniform_memory(model_dir: Path, prompt_ids: list[int]) -> None:
+    """PyramidKV in the reference: after the end-of-prompt eviction every
+    layer keeps whole pages, the first layer more than the last, heads of a
+    layer alike, and the layers together the uniform budget's pages."""
+    config = EvictionConfig(
+        policy="pyramidkv", prefill_mode="end_of_prompt", **{**EVICTION, "budget": 128}
+    )
+    decoder = ReferenceEvictingDecoder(model_dir, config, block_size=BLOCK_SIZE, chunk_size=CHUNK_SIZE)
+    decoder.generate(prompt_ids, 1)  # the eviction at the prompt's end, no decode step after it
+    counts = torch.stack([(p < len(prompt_ids)).sum(-1) for p in decoder.retained_positions])  # [L, H]
+    assert bool((counts == counts[:, :1]).all())
+    assert int(counts[0, 0]) > int(counts[-1, 0])
+    assert bool((counts[:-1, 0] >= counts[1:, 0]).all())
+    layers, heads = counts.shape
+    pages = ((counts + BLOCK_SIZE - 1) // BLOCK_SIZE).sum()
+    assert int(pages) <= layers * heads * (128 // BLOCK_SIZE)
+    assert int(counts.sum()) > layers * heads * (128 - BLOCK_SIZE)

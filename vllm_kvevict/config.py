@@ -22,6 +22,7 @@ from vllm_kvevict.policies.allocation import (
     AdaKVAllocation,
     GlobalAllocation,
     HeadAllocation,
+    PyramidAllocation,
     UniformAllocation,
 )
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
@@ -100,17 +101,25 @@ class EvictionConfig(BaseModel):
         "run under Triton's interpreter, which needs TRITON_INTERPRET=1 in the server's "
         "environment from the start)",
     )
-    head_budget: Literal["uniform", "adaptive", "global"] = Field(
+    head_budget: Literal["uniform", "adaptive", "pyramid", "global"] = Field(
         None,  # type: ignore[assignment]  # resolved per policy: global for learned
         description="how retained tokens are split across KV heads: uniform (every head "
         "keeps budget tokens; the default) or adaptive (AdaKV: each layer keeps budget x "
         "KV heads tokens, the highest-scoring across its heads, each head at least "
-        "head_budget_floor of an equal share) or global (policy learned, DBTrimKV: the "
-        "request keeps budget x layers x KV heads tokens, the highest-scoring across every "
-        "layer and head; the default for learned); adaptive and global need storage head_pages",
+        "head_budget_floor of an equal share) or pyramid (PyramidKV: the request keeps budget "
+        "x layers x KV heads tokens, each layer a share falling linearly with depth, split "
+        "equally over its heads; the default for pyramidkv) or global (policy learned, "
+        "DBTrimKV: the request keeps budget x layers x KV heads tokens, the highest-scoring "
+        "across every layer and head; the default for learned); adaptive, pyramid and global "
+        "need storage head_pages",
     )
     head_budget_floor: float = Field(
         0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
+    )
+    pyramid_beta: float = Field(
+        20.0, ge=1.0, le=1000.0, description="pyramid head_budget: the last layer keeps 1/beta of "
+        "the mean budget (beyond sinks and recent window), the first 2 - 1/beta times it "
+        "(PyramidKV's beta)",
     )
     moment_correction: bool = Field(
         None,  # type: ignore[assignment]  # resolved per policy: on for momentkv
@@ -187,6 +196,17 @@ class EvictionConfig(BaseModel):
                 f"policy {self.policy!r} does not give; use head_budget 'adaptive' (per layer) "
                 "or policy 'learned'"
             )
+        if self.head_budget == "pyramid" and (
+            self.moment_correction or policy.needs_rotary or policy.needs_output_projection
+            or policy.needs_log_beta
+        ):
+            raise ValueError(
+                f"head_budget 'pyramid' ranks every layer after the model's last layer, where it "
+                f"has each layer's keys, values and observation queries only; policy "
+                f"{self.policy!r}{' with moment_correction' if self.moment_correction else ''} "
+                "needs more: use head_budget 'adaptive' or 'uniform', or a query- or key-based "
+                "policy (snapkv, pyramidkv, knorm, keydiff, tova, h2o, streamingllm, random)"
+            )
         if policy.needs_log_beta and self.head_budget != "global":
             raise ValueError(
                 f"policy {self.policy!r} ranks tokens across every layer and KV head; drop "
@@ -194,12 +214,18 @@ class EvictionConfig(BaseModel):
             )
         if self.storage == "slots" and self.needs_head_pages:
             raise ValueError(
-                "head_budget 'adaptive' or 'global' and moment_correction need storage "
+                "head_budget 'adaptive', 'pyramid' or 'global' and moment_correction need storage "
                 "'head_pages'; "
                 "drop storage 'slots'"
             )
         self._policy = make_policy(self.policy, self.policy_options)
         return self
+
+    @property
+    def pools_layers(self) -> bool:
+        """Layers trade pages: every layer's streams are ranked together after
+        the model's last layer, in the pool of every layer's blocks."""
+        return self.head_budget in ("pyramid", "global")
 
     @property
     def needs_head_pages(self) -> bool:
@@ -226,6 +252,8 @@ class EvictionConfig(BaseModel):
     def build_allocation(self) -> HeadAllocation:
         if self.head_budget == "adaptive":
             return AdaKVAllocation(self.head_budget_floor)
+        if self.head_budget == "pyramid":
+            return PyramidAllocation(self.pyramid_beta)
         if self.head_budget == "global":
             # Validation admits global only for a policy that scores every
             # layer on one scale: the learned one.

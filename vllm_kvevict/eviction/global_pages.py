@@ -1,5 +1,6 @@
-"""``head_budget: global``: every layer's streams ranked together (DBTrimKV's
-global top-B), on head-pages of every layer's blocks.
+"""``head_budget: global`` or ``pyramid``: every layer's streams ranked together
+(DBTrimKV's global top-B, or PyramidKV's layer budgets), on head-pages of every
+layer's blocks.
 
 The cache is every layer's blocks seen as one pool (layer ``l``'s block ``b``
 is block ``offset_l + b``), so a stream's page table may name head-pages of
@@ -69,15 +70,19 @@ def compact_global(
     frontier_before: int,
     scale: float,
     observer: EvictionObserver,
+    observation: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> list[list[int]]:
     """Keep the best tokens below ``ev.point`` over every (layer, KV head) of
     the request, in the head-pages of every layer's blocks
-    ``[frontier_after, point // bs)``. Returns each layer's per-head counts."""
+    ``[frontier_after, point // bs)``, split by the rule's allocation (one
+    global ranking, or PyramidKV's layer budgets). ``observation``: per layer,
+    the observation queries and their positions, for a query-based policy.
+    Returns each layer's per-head counts."""
     bs, num_heads = cache.block_size, cache.num_heads
     # Gather every layer first: a stream's new pages may be another layer's old ones.
     gathered: list[tuple[LiveTokens, torch.Tensor]] = []
     inputs: list[ScoringInputs] = []
-    for rows, offset in zip(layers, layer_block_offset):
+    for index, (rows, offset) in enumerate(zip(layers, layer_block_offset)):
         assert rows.pages is not None and rows.lens is not None
         tokens = gather_live(
             cache, rows.pages, rows.lens, rows.positions, block_row + offset, region_start, ev.point
@@ -85,8 +90,9 @@ def compact_global(
         log_beta = gather_log_beta(
             log_beta_pages, rows.pages, rows.lens, block_row + offset, region_start, ev.point
         )
+        queries, query_positions = (observation[index] if observation else None) or (None, None)
         inputs.append(ScoringInputs(
-            tokens.keys, tokens.values, tokens.positions, None, None, scale,
+            tokens.keys, tokens.values, tokens.positions, queries, query_positions, scale,
             log_beta=log_beta, step=ev.point,
         ))
         gathered.append((tokens, log_beta))

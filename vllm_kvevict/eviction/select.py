@@ -2,8 +2,8 @@
 reference decoder run.
 
 policy scores (with sinks and the recent window pinned, padding excluded)
-→ allocation (how many tokens each stream keeps: uniform, AdaKV or one
-global ranking) → refinement (a policy's second look once the counts are
+→ allocation (how many tokens each stream keeps: uniform, AdaKV, PyramidKV's
+layer budgets or one global ranking) → refinement (a policy's second look once the counts are
 fixed: CriticalKV's two stages, MomentKV's rounds) → each stream's top
 tokens.
 
@@ -79,7 +79,7 @@ def choose_kept(
         for inputs, mask in zip(layers, live)
     ]
     stacked = scores[0] if len(scores) == 1 else stack_streams(scores)
-    counts = allocate_head_tokens(rule.allocation, stacked, total_pages, page_size)
+    counts = allocate_head_tokens(rule.allocation, stacked, total_pages, page_size, len(scores))
     per_layer = counts.split([score.shape[0] for score in scores])
     refined = [
         policy.refine_scores(inputs, score, layer_counts)

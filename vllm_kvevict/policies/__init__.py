@@ -13,6 +13,7 @@ from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.keydiff import KeyDiffPolicy
 from vllm_kvevict.policies.knorm import KnormPolicy
 from vllm_kvevict.policies.momentkv import MomentKVPolicy
+from vllm_kvevict.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvevict.policies.random_policy import RandomPolicy
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
@@ -24,6 +25,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     for cls in (
         StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy,
         ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy, LearnedRetentionPolicy,
+        PyramidKVPolicy,
     )
 }
 
@@ -64,6 +66,7 @@ __all__ = [
     "KnormPolicy",
     "LearnedRetentionPolicy",
     "MomentKVPolicy",
+    "PyramidKVPolicy",
     "RandomPolicy",
     "RotaryFrequencies",
     "ScoringInputs",

@@ -25,12 +25,14 @@ class HeadAllocation(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+    def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         """Tokens each head would keep, ``[H]`` int64, summing to at most ``total``.
 
         ``scores [H, S]``: ``+inf`` for tokens that must stay (sinks, recent
         window), ``-inf`` for padding (heads hold different numbers of live
-        tokens); a head never gets more than its live tokens.
+        tokens); a head never gets more than its live tokens. With
+        ``num_layers`` > 1 the rows are the streams of that many layers,
+        layer-major.
         """
 
     def floor_tokens(self, total: int, num_heads: int) -> int:
@@ -44,7 +46,7 @@ class UniformAllocation(HeadAllocation):
 
     name = "uniform"
 
-    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+    def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         live = (scores > float("-inf")).sum(-1)
         return live.clamp(max=total // scores.shape[0])
 
@@ -72,7 +74,7 @@ class AdaKVAllocation(HeadAllocation):
     def floor_tokens(self, total: int, num_heads: int) -> int:
         return int(total // num_heads * self.floor_fraction)
 
-    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+    def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         num_heads, num_live = scores.shape
         scores = scores.float().clone()
         safe = self.floor_tokens(total, num_heads)
@@ -143,9 +145,51 @@ class GlobalAllocation(HeadAllocation):
     def floor_tokens(self, total: int, num_heads: int) -> int:
         return min(self.floor, total // max(num_heads, 1))
 
-    def token_counts(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+    def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         floor = self.floor_tokens(total, scores.shape[0])
         return global_top_b(scores, total, floor).sum(-1)
+
+
+def pyramid_layer_budgets(mean_tokens: float, num_layers: int, beta: float) -> list[float]:
+    """PyramidKV's per-layer budgets (Cai et al., 2024, "PyramidKV: Dynamic KV
+    Cache Compression based on Pyramidal Information Funneling", §3.2, with
+    the authors' and kvpress's arithmetic): an arithmetic sequence falling
+    with depth from ``2m - m/β`` at the first layer to ``m/β`` at the last,
+    where ``m`` is the mean per-layer budget, so the layers hold ``m`` on
+    average: the uniform budget's memory."""
+    if beta < 1:
+        raise ValueError(f"pyramid_beta must be at least 1, got {beta}")
+    low = mean_tokens / beta
+    high = 2 * mean_tokens - low
+    if num_layers == 1:
+        return [mean_tokens]
+    step = (high - low) / (num_layers - 1)
+    return [high - layer * step for layer in range(num_layers)]
+
+
+@dataclass
+class PyramidAllocation(HeadAllocation):
+    """PyramidKV: each layer keeps :func:`pyramid_layer_budgets` tokens per
+    KV head, more in the first layers and fewer in the last, split equally
+    over the layer's heads; the tokens every head must keep (sinks, recent
+    window: PyramidKV's observation window) come on top of the pyramid, as
+    in the paper. The streams of every layer come together (``num_layers``)
+    because layers trade pages: the request holds the uniform budget's
+    pages in all."""
+
+    name = "pyramid"
+    beta: float = 20.0
+
+    def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
+        streams = scores.shape[0]
+        if streams % num_layers:
+            raise ValueError(f"{streams} streams do not split into {num_layers} layers")
+        live = (scores > float("-inf")).sum(-1)
+        protected = (scores == float("inf")).sum(-1).float()
+        free = max(total / streams - float(protected.mean()), 0.0)
+        budgets = torch.tensor(pyramid_layer_budgets(free, num_layers, self.beta), device=scores.device)
+        per_stream = budgets.repeat_interleave(streams // num_layers) + protected
+        return torch.minimum(per_stream.floor().long(), live)
 
 
 def stack_streams(scores: list[torch.Tensor]) -> torch.Tensor:
@@ -213,7 +257,8 @@ def select_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_head_tokens(
-    allocation: HeadAllocation, scores: torch.Tensor, total_pages: int, page_size: int
+    allocation: HeadAllocation, scores: torch.Tensor, total_pages: int, page_size: int,
+    num_layers: int = 1,
 ) -> torch.Tensor:
     """Tokens each head keeps, ``[H]``: the allocation's split of
     ``total_pages`` whole pages, never below what a head must keep (its
@@ -222,5 +267,5 @@ def allocate_head_tokens(
     protected = (scores == float("inf")).sum(-1)
     floor = allocation.floor_tokens(total_pages * page_size, scores.shape[0])
     min_tokens = torch.maximum(protected, torch.clamp(live, max=floor))
-    counts = allocation.token_counts(scores, total_pages * page_size)
+    counts = allocation.token_counts(scores, total_pages * page_size, num_layers)
     return round_to_pages(counts, live, min_tokens, total_pages, page_size)

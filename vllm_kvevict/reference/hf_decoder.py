@@ -21,7 +21,7 @@ queries/keys/values, appends them to our own store keyed by
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,17 @@ class _Step:
     n_after: int
     prompt_len: int
     positions: torch.Tensor  # [T] int64
+
+
+@dataclass(frozen=True)
+class PromptState:
+    """A prompt run once on the full cache (:meth:`ReferenceEvictingDecoder.run_prompt`):
+    every layer's keys, values and last queries, and the first greedy token,
+    from which any end-of-prompt eviction setting continues."""
+
+    prompt_len: int
+    first_token: int
+    layers: tuple[_LayerStore, ...]
 
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -167,6 +178,7 @@ class ReferenceEvictingDecoder:
 
         self._layers: list[_LayerStore] = []
         self._step: _Step | None = None
+        self._whole_prompt_queries: int | None = None  # run_prompt: queries kept per layer
         self.retained_positions: list[torch.Tensor] = []
         self.processed_tokens: int = 0
 
@@ -211,7 +223,13 @@ class ReferenceEvictingDecoder:
             logits = self._run_step(prompt_ids[n:n_after], n, n_after, prompt_len)
             n = n_after
         assert logits is not None
-        out = [int(torch.argmax(logits))]
+        return self._decode([int(torch.argmax(logits))], prompt_len, max_new_tokens, stop_at_eos)
+
+    def _decode(
+        self, out: list[int], prompt_len: int, max_new_tokens: int, stop_at_eos: bool
+    ) -> list[int]:
+        """Greedy decode steps after the prompt, ``out`` holding the first token."""
+        n = prompt_len
         # The last sampled token is never fed back, as in a serving engine.
         while len(out) < max_new_tokens:
             if stop_at_eos and out[-1] in self.eos_token_ids:
@@ -225,6 +243,82 @@ class ReferenceEvictingDecoder:
             store.positions.clone() for store in self._layers if store.positions is not None
         ]
         return out
+
+    # ------------------------------------------- one prompt, many settings
+
+    def use_config(self, config: EvictionConfig | None) -> None:
+        """Decode with another eviction config (None: the full cache) on the
+        same loaded model. The learned policy's gates are loaded at
+        construction only, so a config that needs them is refused here."""
+        policy = config.build_policy() if config is not None else None
+        if policy is not None and policy.needs_log_beta and self.gates is None:
+            raise ValueError(
+                f"policy {config.policy!r} needs its gates: build the decoder with that config"
+            )
+        self.config = config
+        self.policy = policy
+        self.schedule = config.schedule(self.block_size, self.chunk_size) if config is not None else None
+
+    @torch.inference_mode()
+    def run_prompt(self, prompt_ids: list[int], keep_queries: int) -> PromptState:
+        """The whole prompt in one causal pass on the full cache (no eviction),
+        keeping every layer's keys and values and its last ``keep_queries``
+        queries: what an ``end_of_prompt`` eviction reads, so several settings
+        continue from one prefill (:meth:`continue_from`)."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        prompt_len = len(prompt_ids)
+        self._layers = [_LayerStore() for _ in range(self.num_layers)]
+        self._whole_prompt_queries = max(1, keep_queries)
+        positions = torch.arange(prompt_len, dtype=torch.long, device=self.model.device)
+        self._step = _Step(0, prompt_len, prompt_len, positions)
+        try:
+            output = self.model(
+                input_ids=torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device),
+                position_ids=positions[None], use_cache=False, logits_to_keep=1,
+            )
+        finally:
+            self._step = None
+            self._whole_prompt_queries = None
+        first = int(torch.argmax(output.logits[0, -1].float()))
+        return PromptState(prompt_len, first, tuple(self._layers))
+
+    @torch.inference_mode()
+    def continue_from(
+        self, state: PromptState, config: EvictionConfig | None, max_new_tokens: int,
+        stop_at_eos: bool = False,
+    ) -> list[int]:
+        """Greedy tokens of ``config`` on the prompt of ``state``: its
+        end-of-prompt eviction applied to every layer, then decoding (with
+        decode-time evictions). The same tokens as :meth:`generate`, whose
+        chunked prefill attends to the same full prompt before that eviction."""
+        self.use_config(config)
+        if config is not None and not self.schedule.holds_whole_prompt(state.prompt_len):
+            raise ValueError(
+                f"continue_from needs an end-of-prompt eviction; prefill_mode {config.prefill_mode!r} "
+                f"evicts within a {state.prompt_len}-token prompt (use generate)"
+            )
+        self._layers = [replace(store) for store in state.layers]
+        if max_new_tokens <= 0:
+            return []
+        if config is not None:
+            prompt_len = state.prompt_len
+            step = _Step(0, prompt_len, prompt_len, torch.arange(prompt_len, dtype=torch.long))
+            window = config.observation_window
+            for index, store in enumerate(self._layers):
+                module = self.model.model.layers[index].self_attn
+                assert store.query_history is not None and store.query_positions is not None
+                if store.query_history.shape[1] < min(window, prompt_len):
+                    raise ValueError(
+                        f"run_prompt kept {store.query_history.shape[1]} queries; observation_window "
+                        f"{window} needs them all (run_prompt(..., keep_queries={window}))"
+                    )
+                if not config.pools_layers:
+                    self._evict(store, step, float(module.scaling), self._model_parts(module))
+                self._trim_queries(store, prompt_len)
+            if config.pools_layers:
+                self._evict_global(step)
+        return self._decode([state.first_token], state.prompt_len, max_new_tokens, stop_at_eos)
 
     def _run_step(
         self, token_ids: list[int], n_before: int, n_after: int, prompt_len: int
@@ -240,7 +334,7 @@ class ReferenceEvictingDecoder:
                 use_cache=False,
                 logits_to_keep=1,
             )
-            if self.config is not None and self.config.head_budget == "global":
+            if self.config is not None and self.config.pools_layers:
                 self._evict_global(self._step)
         finally:
             self._step = None
@@ -276,6 +370,17 @@ class ReferenceEvictingDecoder:
         q = query[0]  # [Hq, T, D]
         num_kv_heads = key.shape[1]
         step_pos = step.positions
+        if self._whole_prompt_queries is not None:  # run_prompt: full cache, one causal pass
+            keep = self._whole_prompt_queries
+            store.keys, store.values = key[0], value[0]
+            store.positions = step_pos[None].expand(num_kv_heads, -1)
+            store.query_history, store.query_positions = q[:, -keep:], step_pos[-keep:]
+            self._scale = scale
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query.float(), key.float(), value.float(), is_causal=True, scale=scale,
+                enable_gqa=True,
+            )
+            return out.transpose(1, 2).to(query.dtype), None
         store.keys = _cat(store.keys, key[0], dim=1)
         store.values = _cat(store.values, value[0], dim=1)
         store.positions = _cat(
@@ -293,17 +398,25 @@ class ReferenceEvictingDecoder:
         else:
             out = self._attend(q, store, step_pos, scale)
 
-        if self.config is not None and self.config.head_budget != "global":
+        if self.config is not None and not self.config.pools_layers:
             self._evict(store, step, scale, self._model_parts(module))
-            # Future eviction points are > n_after, so they only look at
-            # queries at positions >= n_after - observation_window.
-            keep_q = store.query_positions >= step.n_after - self.config.observation_window
-            store.query_history = store.query_history[:, keep_q]
-            store.query_positions = store.query_positions[keep_q]
+        if self.config is not None and self.policy is not None and self.policy.needs_queries:
+            self._trim_queries(store, step.n_after)
         else:
             store.query_history = None  # no policy reads them
             store.query_positions = None
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+
+    def _trim_queries(self, store: _LayerStore, n_after: int) -> None:
+        """Future eviction points are > n_after, so they only look at queries
+        at positions >= n_after - observation_window. (With pooled layers the
+        step's own point reads them after every layer ran, from the window
+        before n_after, which this keeps.)"""
+        assert self.config is not None and store.query_history is not None
+        assert store.query_positions is not None
+        keep_q = store.query_positions >= n_after - self.config.observation_window
+        store.query_history = store.query_history[:, keep_q]
+        store.query_positions = store.query_positions[keep_q]
 
     @staticmethod
     def _attend(
@@ -508,9 +621,10 @@ class ReferenceEvictingDecoder:
             store.moments.append((n_e, s_k / max(n_e, 1), s_v / max(n_e, 1), s_tilde))
 
     def _evict_global(self, step: _Step) -> None:
-        """head_budget global, after every layer ran: the request keeps
-        ``L * H * (point // bs - frontier // bs)`` whole pages of tokens, split
-        over every (layer, KV head) by one ranking (DBTrimKV's global top-B)."""
+        """head_budget global or pyramid, after every layer ran: the request
+        keeps ``L * H * (point // bs - frontier // bs)`` whole pages of tokens,
+        split over every (layer, KV head) by the allocation (DBTrimKV's global
+        top-B, or PyramidKV's layer budgets)."""
         assert self.config is not None and self.schedule is not None and self.policy is not None
         reached = self._eviction_point(step)
         if reached is None:
@@ -520,15 +634,22 @@ class ReferenceEvictingDecoder:
             return
         bs, stores = self.block_size, self._layers
         gathered, inputs, lives = [], [], []
+        window = self.config.observation_window
         for store in stores:
-            assert store.keys is not None and store.values is not None
-            assert store.positions is not None and store.log_beta is not None
+            assert store.keys is not None and store.values is not None and store.positions is not None
+            if not self.policy.needs_log_beta:  # no gates: log β unused
+                store.log_beta = torch.zeros(store.positions.shape, dtype=torch.float32)
             taken, live = _live_in_position_order(
                 store.positions, (store.keys, store.values, store.positions, store.log_beta)
             )
+            queries = query_positions = None
+            if self.policy.needs_queries:
+                assert store.query_history is not None and store.query_positions is not None
+                obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
+                queries, query_positions = store.query_history[:, obs], store.query_positions[obs]
             inputs.append(ScoringInputs(
-                keys=taken[0], values=taken[1], key_positions=taken[2], queries=None,
-                query_positions=None, scale=self._scale, log_beta=taken[3], step=point,
+                keys=taken[0], values=taken[1], key_positions=taken[2], queries=queries,
+                query_positions=query_positions, scale=self._scale, log_beta=taken[3], step=point,
             ))
             lives.append(live)
             gathered.append(taken)

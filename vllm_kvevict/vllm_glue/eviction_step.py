@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -141,6 +141,10 @@ class EvictionStepPlan:
     backend_data: Any = None  # what the backend's kernels need (the CPU page layout)
     num_evictions: int = 0  # (request, point) pairs that drop tokens
     eviction_seconds: float = 0.0  # summed over layers as they run
+    # Pooled layers (storage global) with a query-based policy: each layer's
+    # observation queries per (layer, batch index), kept from its forward for
+    # the ranking after the last layer.
+    pooled_queries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def device_lengths(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -229,7 +233,7 @@ class EvictingBuilder:
         self.schedule = kv_cache_spec.schedule
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.head_paged = config.uses_head_pages
-        self.global_eviction = config.head_budget == "global"
+        self.global_eviction = config.pools_layers
         self.storage: Storage = (
             "global" if self.global_eviction else "head_pages" if self.head_paged else "slots"
         )
@@ -493,6 +497,12 @@ class EvictingImpl:
         plan.observer.layer_started(layer_index, kv_cache, cache)
         if plan.storage == "global":
             self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
+            if plan.rule.policy.needs_queries:
+                for ev in plan.evictions:
+                    if ev.compacts:
+                        plan.pooled_queries[layer_index, ev.batch_index] = self._observation(
+                            plan, layer_index, ev, query
+                        )
         else:
             self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         started = time.perf_counter()
@@ -537,10 +547,7 @@ class EvictingImpl:
         policy, name = plan.rule.policy, plan.layer_names[layer_index]
         queries = query_positions = None
         if policy.needs_queries:
-            ring = plan.state.query_ring[layer_index, ev.state_row]
-            queries, query_positions = observation_queries(ring, query, ev)
-            if plan.kv_head_replicas > 1:
-                queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
+            queries, query_positions = self._observation(plan, layer_index, ev, query)
         if policy.needs_rotary and self._rotary is None:
             self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
         if policy.needs_output_projection and self._output_projection is None:
@@ -558,6 +565,18 @@ class EvictingImpl:
 
         return inputs
 
+    @staticmethod
+    def _observation(
+        plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observation queries of ``ev`` in this layer (before the layer's
+        ring takes this step's queries), completed to whole query groups."""
+        ring = plan.state.query_ring[layer_index, ev.state_row]
+        queries, positions = observation_queries(ring, query, ev)
+        if plan.kv_head_replicas > 1:
+            queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
+        return queries, positions
+
     def _global_forward(
         self,
         plan: EvictionStepPlan,
@@ -568,7 +587,8 @@ class EvictingImpl:
         attn_metadata: Any,
         output: torch.Tensor,
     ) -> None:
-        """head_budget global: store this step's log β and attend over the
+        """Pooled layers (head_budget global or pyramid): store this step's log β
+        (the learned policy's) and attend over the
         layer's page tables (pages of any layer). Every layer is ranked
         together after the last one, at the step's last compacting point
         (DBTrimKV compresses between forward passes): tokens of the step after
@@ -606,6 +626,7 @@ class EvictingImpl:
                 [state.layer_block_offset[layer_index] for layer_index in range(state.num_layers)],
                 state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
                 plan.frontier_before[i], self.scale, plan.observer,
+                [plan.pooled_queries.get((layer_index, i)) for layer_index in range(state.num_layers)],
             )
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)

@@ -183,7 +183,7 @@ class WorkerEvictionState:
         offset = kv_cache.storage_offset()
         if not kv_cache.is_contiguous() or offset % block_elems:
             raise RuntimeError(
-                "head_budget 'global' needs every layer's KV cache as a dense view of one "
+                "head_budget 'global' or 'pyramid' needs every layer's KV cache as a dense view of one "
                 "allocation at a whole-block offset; this vLLM build lays it out otherwise"
             )
         storage = kv_cache.untyped_storage()
