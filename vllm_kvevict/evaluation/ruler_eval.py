@@ -700,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                         "over the top-k plus one tail bucket is a lower bound), or -1: the whole "
                         "vocabulary (exact; servers the tool starts allow it, a second short "
                         "request per sample)")
+    parser.add_argument("--engine", choices=["serve", "reference"], default="serve",
+                        help="serve: each setting through `vllm serve`; reference: decoded in this "
+                        "process by the reference decoder, one full-cache prefill per sample shared by "
+                        "every end_of_prompt setting (for policy studies; see reference_eval.py)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight per server")
     parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                         help="vllm serve flags for the servers the tool starts")
@@ -733,6 +737,13 @@ def main(argv: list[str] | None = None) -> int:
     grid_lengths = _numbers(args.grid_lengths, int) if args.grid_lengths else (lengths if grid_depths else [])
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
 
+    if args.engine == "reference":
+        from vllm_kvevict.evaluation.reference_eval import check_settings
+
+        try:
+            check_settings(settings)
+        except ValueError as exc:
+            parser.error(str(exc))
     model = args.model
     if model is None and any(s.managed for s in settings):
         from vllm_kvevict.default_model import fetch_default_model
@@ -751,9 +762,15 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [s.prompt_tokens for s in group]
         print(f"{length}: {len(group)} samples, prompt tokens {min(tokens)}..{max(tokens)} "
               f"(generated in {time.perf_counter() - start:.0f}s)", flush=True)
-    runner = EvalRunner(args.out, tokenizer, model=model, server_args=args.server_args,
-                        max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
-                        concurrency=args.concurrency, progress=not args.no_progress)
+    if args.engine == "reference":
+        from vllm_kvevict.evaluation.reference_eval import ReferenceEvalRunner
+
+        runner = ReferenceEvalRunner(args.out, tokenizer, model, max_new_tokens=args.max_new_tokens,
+                                     progress=not args.no_progress)
+    else:
+        runner = EvalRunner(args.out, tokenizer, model=model, server_args=args.server_args,
+                            max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
+                            concurrency=args.concurrency, progress=not args.no_progress)
     records = runner.run(settings, samples)
     table = report(args.out, records, names, tasks, [tuple(pair) for pair in args.compare])
     grid = f", {args.grid_samples} per grid cell" if grid_depths else ""

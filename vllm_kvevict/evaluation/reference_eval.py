@@ -1,0 +1,121 @@
+"""`kvevict eval --engine reference`: the same RULER samples and scores, decoded
+in this process by the reference decoder, one full-cache prefill per sample
+shared by every setting.
+
+With ``prefill_mode: end_of_prompt`` every setting attends to the same full
+prompt before its eviction, so the prompt is run once
+(:meth:`ReferenceEvictingDecoder.run_prompt`) and each setting evicts from
+that state and decodes (:meth:`~ReferenceEvictingDecoder.continue_from`,
+token for token what its own prefill gives: ``tests/test_reference_decoder.py``).
+A policy study of ten settings then costs one prefill and ten short decodes
+per sample instead of ten served prefills. It is the decoder the plugin's
+greedy tokens are tested against, in fp32; served scores can differ from it
+where fp32 rounding of a batched server flips a near-tie.
+
+Records go to the same ``samples.jsonl`` as served runs, with a signature
+naming this engine, so tables, intervals, ``--compare`` and resuming work
+alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kvevict.evaluation.ruler import RulerSample
+from vllm_kvevict.evaluation.ruler_eval import RecordLog, SampleRecord, prompt_sha
+from vllm_kvevict.evaluation.settings import ServingSetting, eviction_config
+
+ENGINE = "reference-fp32"
+
+
+def reference_signature(eviction: dict[str, Any] | None) -> str:
+    payload = {"engine": ENGINE, "eviction": eviction}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_settings(settings: list[ServingSetting]) -> None:
+    """What this engine cannot run, refused before any prompt is built."""
+    from vllm_kvevict.config import build_config
+
+    for setting in settings:
+        if not setting.managed:
+            raise ValueError(f"setting {setting.name}: --engine reference decodes in this process; "
+                             "a running server (NAME=URL) needs --engine serve")
+        if setting.eviction is None:
+            continue
+        config = build_config({**setting.eviction, "budget": 1 << 16})
+        if config.prefill_mode != "end_of_prompt" or config.head_budget == "global":
+            raise ValueError(
+                f"setting {setting.name}: --engine reference shares one prefill between settings, "
+                "so it runs prefill_mode end_of_prompt with head_budget uniform or adaptive; "
+                "serve this one (--engine serve)"
+            )
+
+
+class ReferenceEvalRunner:
+    """Scores every (setting, length, sample) with the reference decoder."""
+
+    def __init__(self, out_dir: Path, tokenizer: Any, model_dir: str, *, max_new_tokens: int = 128,
+                 progress: bool = True) -> None:
+        self.out_dir = out_dir
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.max_new_tokens = max_new_tokens
+        self.progress = progress
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.log = RecordLog(out_dir / "samples.jsonl")
+
+    def run(self, settings: list[ServingSetting],
+            samples_by_length: dict[int, list[RulerSample]]) -> list[SampleRecord]:
+        from tqdm import tqdm
+
+        from vllm_kvevict.config import build_config
+        from vllm_kvevict.reference import ReferenceEvictingDecoder
+
+        check_settings(settings)
+        decoder = ReferenceEvictingDecoder(self.model_dir, None)
+        for length, samples in samples_by_length.items():
+            mean_prompt = sum(s.prompt_tokens for s in samples) / len(samples)
+            plans = []
+            for setting in settings:
+                eviction = eviction_config(setting, mean_prompt, context=f"setting {setting.name} at {length} tokens")
+                config = None if eviction is None else build_config(eviction)
+                plans.append((setting, config, reference_signature(eviction),
+                              None if eviction is None else eviction["budget"]))
+            window = max([c.observation_window for _, c, _, _ in plans if c is not None], default=1)
+            bar = tqdm(total=len(samples), desc=f"reference @ {length}", unit="sample",
+                       disable=not self.progress, dynamic_ncols=True)
+            # Sample i of every task before sample i + 1 of any: a run cut short
+            # leaves every task with samples.
+            for sample in sorted(samples, key=lambda x: x.index):
+                sha = prompt_sha(sample, self.max_new_tokens, 0)
+                todo = [p for p in plans
+                        if self.log.get((p[0].name, length, sample.task, sample.index), p[2], sha) is None]
+                if todo:
+                    self._score(decoder, sample, length, sha, window, todo)
+                bar.update()
+            bar.close()
+        wanted = {(s.name, length, x.task, x.index)
+                  for s in settings for length, xs in samples_by_length.items() for x in xs}
+        return [r for key, r in self.log.records.items() if key in wanted]
+
+    def _score(self, decoder: Any, sample: RulerSample, length: int, sha: str, window: int,
+               plans: list[tuple[ServingSetting, Any, str, int | None]]) -> None:
+        prompt_ids = self.tokenizer(sample.prompt)["input_ids"]
+        state = decoder.run_prompt(prompt_ids, keep_queries=window)
+        max_tokens = min(sample.tokens_to_generate, self.max_new_tokens)
+        for setting, config, sig, budget in plans:
+            start = time.perf_counter()
+            tokens = decoder.continue_from(state, config, max_tokens, stop_at_eos=True)
+            seconds = time.perf_counter() - start
+            if tokens and tokens[-1] in decoder.eos_token_ids:
+                tokens = tokens[:-1]  # a server's text and token ids stop before EOS
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self.log.add(SampleRecord(
+                setting.name, sig, length, sample.task, sample.index, sample.prompt_tokens, text,
+                sample.score(text), tokens, 0, 0.0, seconds, budget, sha, None,
+            ))
