@@ -5,6 +5,7 @@ and plots, checked against values computed here by hand."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import random
 
@@ -254,6 +255,12 @@ def test_report_only_compares_a_finished_run_without_serving(tmp_path, monkeypat
     # Only some settings; a name with no samples, or no samples.jsonl, is refused.
     assert main([*argv, "--setting", "full"]) == 0
     assert "snapkv@0.5" not in (tmp_path / "results.md").read_text()
+    # A name recorded from a config path (its stem) is taken as written.
+    for r in records:
+        if r.setting == "snapkv@0.5":
+            log.add(dataclasses.replace(r, setting="my_study_config@0.5"))
+    assert main([*argv, "--setting", "my_study_config@0.5"]) == 0
+    assert "| my_study_config@0.5 | 4096 |" in (tmp_path / "results.md").read_text()
     for bad, message in ((["--compare", "full", "tova@0.5"], "no samples of tova@0.5"),
                          (["--compare", "full", "full"], "two different settings")):
         with pytest.raises(SystemExit):
@@ -342,3 +349,49 @@ def test_kl_against_the_saved_full_cache_distributions(tmp_path) -> None:
     p = np.exp(full_lp[0].astype(np.float64))
     assert kl_divergence(full_lp[0], policy_lp[0]) == pytest.approx(
         float(np.sum(p * (full_lp[0] - policy_lp[0]))), rel=1e-5)
+
+
+# ---------------------------------------------------------- --engine reference
+
+
+def test_reference_engine_scores_each_setting_like_its_own_decode_and_resumes(
+    tmp_path, model_dir, tokenizer
+) -> None:
+    """One prefill shared by the settings gives, per setting, the tokens of the
+    reference decoder run on that setting alone; the record's score is RULER's
+    metric on the decoded text; a second run reuses every record."""
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.evaluation.reference_eval import ReferenceEvalRunner
+    from vllm_kvevict.evaluation.ruler import RulerGenerator
+    from vllm_kvevict.evaluation.settings import eviction_config
+    from vllm_kvevict.reference import ReferenceEvictingDecoder
+
+    samples = RulerGenerator(tokenizer, 768, 7, "base").samples(["niah_single_2"], 1)
+    settings = [parse_setting(FULL), parse_setting("snapkv@0.25"), parse_setting("momentkv@0.25")]
+    runner = ReferenceEvalRunner(tmp_path, tokenizer, model_dir, max_new_tokens=12, progress=False)
+    records = {r.setting: r for r in runner.run(settings, {768: samples})}
+    assert set(records) == {s.name for s in settings}
+    prompt = tokenizer(samples[0].prompt)["input_ids"]
+    for setting in settings:
+        eviction = eviction_config(setting, samples[0].prompt_tokens)
+        config = None if eviction is None else build_config(eviction)
+        alone = ReferenceEvictingDecoder(model_dir, config).generate(prompt, 12, stop_at_eos=True)
+        alone = alone[:-1] if alone and alone[-1] == tokenizer.eos_token_id else alone
+        record = records[setting.name]
+        assert record.token_ids == alone
+        assert record.score == samples[0].score(tokenizer.decode(alone, skip_special_tokens=True))
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    ReferenceEvalRunner(tmp_path, tokenizer, model_dir, max_new_tokens=12, progress=False).run(
+        settings, {768: samples}
+    )
+    assert (tmp_path / "samples.jsonl").read_text().splitlines() == lines
+
+
+def test_reference_engine_refuses_what_one_shared_prefill_cannot_run(monkeypatch, capsys) -> None:
+    from vllm_kvevict.evaluation import ruler_eval
+
+    for settings in (["snapkv@0.5", "streamingllm@0.5"], ["mine=http://localhost:1"], ["learned@0.5"]):
+        argv = ["--engine", "reference"] + [a for s in settings for a in ("--setting", s)]
+        with pytest.raises(SystemExit):
+            ruler_eval.main(argv)
+        assert "--engine serve" in capsys.readouterr().err

@@ -790,7 +790,8 @@ def report_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error(f"--report-only: no {path}")
     records = list(RecordLog(path).records.values())
     found = list(dict.fromkeys(r.setting for r in records))
-    wanted = [parse_setting(s).name for s in [*args.setting, *args.endpoint]] or found
+    # A name as the run recorded it (a config path's stem, say) is taken as is.
+    wanted = [s if s in found else parse_setting(s).name for s in [*args.setting, *args.endpoint]] or found
     missing = [n for n in dict.fromkeys([*wanted, *(n for pair in args.compare for n in pair)]) if n not in found]
     if missing:
         parser.error(f"--report-only: no samples of {', '.join(missing)} in {path} "
