@@ -119,3 +119,25 @@ def test_checkpoints_round_trip_in_half_precision(tmp_path) -> None:
     with torch.no_grad():
         for layer in range(3):
             assert torch.allclose(loaded(layer, hidden), gates(layer, hidden), atol=2e-3)
+
+
+def test_train_gates_resumes_where_it_stopped(tmp_path) -> None:
+    """4 steps in one run and 2 + 2 across two runs (--resume) give the same
+    gates and loss history; a resume with another recipe is refused."""
+    from vllm_kvevict.training.train_gates import main
+
+    common = ["--seq-len", "64", "--eval-sequences", "1", "--width", "8", "--warmup", "1",
+              "--threads", "1", "--device", "cpu", "--checkpoint-every", "1"]
+    assert main([*common, "--steps", "4", "--out", str(tmp_path / "straight")]) == 0
+    assert main([*common, "--steps", "2", "--out", str(tmp_path / "split")]) == 0
+    assert main([*common, "--steps", "4", "--out", str(tmp_path / "split"), "--resume"]) == 0
+    straight = torch.load(tmp_path / "straight" / "train_state.pt", weights_only=False)
+    split = torch.load(tmp_path / "split" / "train_state.pt", weights_only=False)
+    assert split["step"] == straight["step"] == 4
+    assert split["history"] == straight["history"]
+    for name, value in straight["gates"].items():
+        assert torch.equal(split["gates"][name], value), name
+    with pytest.raises(SystemExit):
+        main([*common, "--steps", "6", "--lr", "1e-3", "--out", str(tmp_path / "split"), "--resume"])
+    with pytest.raises(SystemExit):
+        main([*common, "--steps", "6", "--out", str(tmp_path / "none"), "--resume"])

@@ -8,8 +8,14 @@ authors' recipe: AdamW, linear warm-up then cosine decay, the loss
 ½(KL(teacher ‖ student) + CE) + λ · global capacity (``retention.py``).
 Writes ``OUT/gates.pt`` (state dict) and ``OUT/config.json`` (gate shape,
 training arguments, the loss per step and the held-out loss before/after).
+Every ``--checkpoint-every`` steps and at the end the whole training state
+(gates, optimizer, step, history, random state) goes to
+``OUT/train_state.pt``; ``--resume`` continues from it, with the same recipe
+and as many ``--steps`` in all as asked (the learning-rate schedule follows
+the new total from there on). Runs on ``--device`` (a GPU when there is one).
 
     kvevict train-gates --steps 200 --seq-len 512 --out gates-smollm2
+    kvevict train-gates --steps 2000 --seq-len 512 --out gates-smollm2 --resume
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from vllm_kvevict.policies.gate_checkpoints import CHECKPOINT_FILE, CONFIG_FILE,
 from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
 
 __all__ = ["load_gates", "main", "save_gates"]
+
+STATE_FILE = "train_state.pt"
+# Arguments a resumed run may change: where and how long it runs, not what it learns.
+RESUMABLE_CHANGES = {"steps", "out", "threads", "resume", "checkpoint_every", "device"}
+
+
+def recipe(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE_CHANGES}
 
 
 def corpus_texts() -> list[str]:
@@ -89,9 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("kvevict-gates"))
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help=f"steps between saves of OUT/{STATE_FILE}, the state --resume continues from")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"continue from OUT/{STATE_FILE} (same recipe; --steps: the total to reach)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    state_path = args.out / STATE_FILE
+    saved = None
+    if args.resume:
+        if not state_path.is_file():
+            parser.error(f"--resume: no {state_path}; start without --resume")
+        saved = torch.load(state_path, map_location="cpu", weights_only=False)
+        changed = sorted(k for k in set(saved["recipe"]) | set(recipe(args))
+                         if saved["recipe"].get(k) != recipe(args).get(k))
+        if changed:
+            parser.error(f"--resume: {state_path} was trained with other settings "
+                         f"({', '.join(f'--{k.replace(chr(95), chr(45))}' for k in changed)}); "
+                         "give the same values, or start a new --out")
     torch.manual_seed(args.seed)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,30 +136,45 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(fetch_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gates = RetentionGates(gate_config_for(model.config, args.width, args.bias_init))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    gates = RetentionGates(gate_config_for(model.config, args.width, args.bias_init)).to(device)
     student = GatedStudent(model, gates)
     data = packed_sequences(tokenizer, corpus_texts(), args.seq_len, args.seed)
     held_out, train = data[-args.eval_sequences:], data[: -args.eval_sequences]
     print(f"{len(train)} training and {len(held_out)} held-out sequences of {args.seq_len} tokens; "
-          f"{sum(p.numel() for p in gates.parameters()):,} gate parameters", flush=True)
+          f"{sum(p.numel() for p in gates.parameters()):,} gate parameters, on {device}", flush=True)
 
     def evaluate() -> dict[str, float]:
         with torch.no_grad():
-            totals = [student.loss(held_out[i: i + 1], args.memory_size, args.capacity_weight)
+            totals = [student.loss(held_out[i: i + 1].to(device), args.memory_size, args.capacity_weight)
                       for i in range(len(held_out))]
         return {k: float(sum(t[k] for t in totals) / len(totals)) for k in totals[0]}
 
-    before = evaluate()
-    print(f"held-out before: {json.dumps(before)}", flush=True)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    history = []
-    start = time.perf_counter()
-    for step in range(args.steps):
+    if saved is None:
+        first, history, seconds, before = 0, [], 0.0, evaluate()
+    else:
+        gates.load_state_dict(saved["gates"])
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        first, history, seconds, before = saved["step"], saved["history"], saved["seconds"], saved["before"]
+        print(f"resumed from {state_path} at step {first}", flush=True)
+    print(f"held-out before: {json.dumps(before)}", flush=True)
+    start = time.perf_counter() - seconds
+
+    def checkpoint(step: int) -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"recipe": recipe(args), "step": step, "gates": gates.state_dict(),
+                    "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                    "history": history, "before": before, "seconds": time.perf_counter() - start},
+                   state_path.with_suffix(".tmp"))
+        state_path.with_suffix(".tmp").replace(state_path)  # never a half-written state
+
+    for step in range(first, args.steps):
         rows = torch.randint(0, len(train), (args.batch_size,))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        terms = student.loss(train[rows], args.memory_size, args.capacity_weight)
+        terms = student.loss(train[rows].to(device), args.memory_size, args.capacity_weight)
         optimizer.zero_grad()
         terms["loss"].backward()
         torch.nn.utils.clip_grad_norm_(gates.parameters(), 1.0)
@@ -135,10 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         history.append({k: round(float(v.detach()), 6) for k, v in terms.items()})
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step}: {json.dumps(history[-1])} ({time.perf_counter() - start:.0f}s)", flush=True)
+        if args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
+            checkpoint(step + 1)
+    checkpoint(max(first, args.steps))
     after = evaluate()
     print(f"held-out after: {json.dumps(after)}", flush=True)
-    save_gates(args.out, gates, {"model": model_dir, "training": vars(args) | {"out": str(args.out)},
-                                 "held_out_before": before, "held_out_after": after,
-                                 "history": history, "seconds": time.perf_counter() - start})
-    print(f"written to {args.out}/ ({CHECKPOINT_FILE}, {CONFIG_FILE})", flush=True)
+    training = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    save_gates(args.out, gates.cpu(), {"model": model_dir, "training": training,
+                                       "held_out_before": before, "held_out_after": after,
+                                       "history": history, "seconds": time.perf_counter() - start})
+    print(f"written to {args.out}/ ({CHECKPOINT_FILE}, {CONFIG_FILE}, {STATE_FILE})", flush=True)
     return 0
