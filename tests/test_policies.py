@@ -234,7 +234,7 @@ def test_policy_registry():
         "criticalkv", "expected_attention", "h2o", "keydiff", "knorm",
         "learned", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm", "tova",
     ]
-    assert policy_options("snapkv") == {"kernel_size": 7, "pooling": "max"}
+    assert policy_options("snapkv") == {"kernel_size": 15, "pooling": "max"}
     assert policy_options("streamingllm") == {}
     assert SnapKVPolicy.needs_queries and not StreamingLLMPolicy.needs_queries
     assert make_policy("snapkv", {"kernel_size": 3}) == SnapKVPolicy(kernel_size=3)
@@ -253,3 +253,35 @@ def test_make_policy_errors():
             make_policy("snapkv", {"kernel_size": bad})
     with pytest.raises(ValueError, match="pooling"):
         make_policy("snapkv", {"pooling": "min"})
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"policy": "snapkv", "policy_options": {"kernel_size": 7.0}}, "'kernel_size' must be an integer, got 7.0"),
+    ({"policy": "snapkv", "policy_options": {"kernel_size": "7"}}, "must be an integer, got '7'"),
+    ({"policy": "snapkv", "policy_options": {"kernel_size": True}}, "must be an integer, got True"),
+    ({"policy": "random", "policy_options": {"seed": "x"}}, "'seed' must be an integer"),
+    ({"policy": "momentkv", "policy_options": {"rounds": 2.5}}, "'rounds' must be an integer"),
+    ({"policy": "snapkv", "policy_options": {"pooling": "mean"}}, "must be one of 'max', 'avg'"),
+    ({"policy": "expected_attention", "policy_options": {"use_covariance": 1}}, "must be true or false"),
+    ({"policy": "learned", "head_budget": "global", "policy_options": {"gates": 3}}, "must be a string or null"),
+    ({"policy": "criticalkv", "policy_options": {"base_options": {"window": 3}}},
+     "criticalkv base_options: policy 'snapkv' has no option 'window'"),
+    ({"policy": "criticalkv", "policy_options": {"base_options": {"kernel_size": 7.5}}},
+     "criticalkv base_options: policy 'snapkv' option 'kernel_size' must be an integer"),
+    ({"policy": "criticalkv", "policy_options": {"base_options": [7]}}, "must be a mapping"),
+])
+def test_policy_options_of_the_wrong_type_are_one_line_at_start_up(options, message):
+    """A wrong type is refused when the config is built (one line naming the
+    option and what it must be), not at the first eviction."""
+    from vllm_kvevict.config import KVEvictionConfigError, build_config
+
+    with pytest.raises(KVEvictionConfigError) as info:
+        build_config({"budget": 256, **options})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_numbers_for_float_options_are_taken_as_floats():
+    from vllm_kvevict.config import build_config
+
+    policy = build_config({"policy": "expected_attention", "policy_options": {"epsilon": 1}}).build_policy()
+    assert policy.epsilon == 1.0 and isinstance(policy.epsilon, float)

@@ -3,7 +3,6 @@ equation; none of them imports vLLM."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from vllm_kvevict.policies.base import EvictionPolicy, RotaryFrequencies, ScoringInputs
@@ -13,6 +12,7 @@ from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.keydiff import KeyDiffPolicy
 from vllm_kvevict.policies.knorm import KnormPolicy
 from vllm_kvevict.policies.momentkv import MomentKVPolicy
+from vllm_kvevict.policies.options import build_with_options, option_fields
 from vllm_kvevict.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvevict.policies.random_policy import RandomPolicy
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
@@ -32,28 +32,17 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 def policy_options(name: str) -> dict[str, Any]:
     """The options a policy accepts, with their defaults."""
-    return {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        for f in dataclasses.fields(POLICIES[name])
-    }
+    return option_fields(POLICIES[name])
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> EvictionPolicy:
-    """Build a policy by name; raise ``ValueError`` naming the fix on bad input."""
+    """Build a policy by name; raise ``ValueError`` naming the fix on bad input
+    (an unknown policy or option, an option of the wrong type or value)."""
     if name not in POLICIES:
         raise ValueError(
             f"unknown eviction policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
         )
-    options = dict(options or {})
-    accepted = policy_options(name)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        hint = ", ".join(sorted(accepted)) or "none"
-        raise ValueError(
-            f"policy {name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"its options are: {hint}"
-        )
-    return POLICIES[name](**options)
+    return build_with_options(POLICIES[name], name, options)
 
 
 __all__ = [

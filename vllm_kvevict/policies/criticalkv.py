@@ -6,6 +6,7 @@ from typing import Any, Literal
 import torch
 
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.options import build_with_options
 from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
@@ -56,6 +57,7 @@ class CriticalKVPolicy(EvictionPolicy):
     needs_queries = True
     needs_output_projection = True
     default_prefill_mode = "end_of_prompt"
+    default_head_budget = "adaptive"  # the paper's main setting: AdaKV + CriticalKV
     base: Literal["snapkv", "expected_attention"] = "snapkv"
     base_options: dict[str, Any] = field(default_factory=dict)
     first_stage_ratio: float = 0.5
@@ -70,7 +72,12 @@ class CriticalKVPolicy(EvictionPolicy):
             raise ValueError(
                 f"criticalkv first_stage_ratio must be in [0, 1], got {self.first_stage_ratio}"
             )
-        self.base_policy = BASES[self.base](**self.base_options)
+        if not isinstance(self.base_options, dict):
+            raise ValueError(f"criticalkv base_options must be a mapping, got {self.base_options!r}")
+        try:
+            self.base_policy = build_with_options(BASES[self.base], self.base, self.base_options)
+        except ValueError as exc:
+            raise ValueError(f"criticalkv base_options: {exc}") from None
 
     @property
     def needs_rotary(self) -> bool:  # type: ignore[override]
