@@ -9,6 +9,7 @@ from vllm_kvevict.policies.allocation import (
     PyramidAllocation,
     UniformAllocation,
     allocate_head_tokens,
+    global_top_b,
     pyramid_layer_budgets,
     round_to_pages,
     select_top,
@@ -214,3 +215,46 @@ def test_pyramid_config_defaults_and_refusals():
             build_config({"budget": 256, **bad})
     with pytest.raises(KVEvictionConfigError, match="pyramid_beta"):
         build_config({"policy": "pyramidkv", "budget": 256, "pyramid_beta": 0.5})
+
+
+def test_global_top_b_breaks_ties_by_position():
+    """Equal scores: the earlier entry (stream-major, then position) is kept,
+    as every other selection does (a stable sort, not topk's unspecified order)."""
+    scores = torch.zeros(3, 5)
+    keep = global_top_b(scores, 4)
+    assert keep.view(-1).nonzero().view(-1).tolist() == [0, 1, 2, 3]
+    keep = global_top_b(scores, 7, floor=1)
+    assert keep.sum() == 7 and bool(keep[:, 0].all())
+    assert keep.view(-1).nonzero().view(-1).tolist() == [0, 1, 2, 3, 4, 5, 10]
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv", "knorm", "momentkv"])
+def test_a_nan_key_does_not_evict_sinks_or_recent_tokens(policy):
+    """One NaN key (KeyDiff's anchor, SnapKV's attention and the key norm
+    become NaN): every head still keeps its sinks and recent window and its
+    full count of tokens; the NaN token ranks last."""
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.eviction.select import KeepRule, choose_kept
+    from vllm_kvevict.policies.base import ScoringInputs
+
+    gen = torch.Generator().manual_seed(3)
+    heads, width, dim = 2, 96, 16
+    keys = torch.randn(heads, width, dim, generator=gen)
+    keys[0, 40] = float("nan")
+    config = build_config({"policy": policy, "budget": 48, "sink_tokens": 4, "recent_window": 8,
+                           "observation_window": 4, "head_budget": "uniform"})
+    inputs = ScoringInputs(
+        keys=keys, values=torch.randn(heads, width, dim, generator=gen),
+        key_positions=torch.arange(width).expand(heads, -1),
+        queries=torch.randn(heads * 2, 4, dim, generator=gen), query_positions=torch.arange(width - 4, width),
+        scale=dim ** -0.5,
+        evicted=EvictedMoments.zeros(None, heads, dim) if config.moment_correction else None,
+    )
+    counts, kept = choose_kept(KeepRule.from_config(config), [inputs], [None], width, heads * 48, 1)
+    assert counts.tolist() == [48, 48]
+    for h in range(heads):
+        chosen = set(kept[h, : int(counts[h])].tolist())
+        assert set(range(4)) | set(range(width - 8, width)) <= chosen, h
+    if policy != "keydiff":  # a NaN anchor makes every KeyDiff score NaN
+        assert 40 not in set(kept[0, :48].tolist())

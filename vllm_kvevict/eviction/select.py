@@ -82,8 +82,11 @@ def choose_kept(
     counts = allocate_head_tokens(rule.allocation, stacked, total_pages, page_size, len(scores))
     per_layer = counts.split([score.shape[0] for score in scores])
     refined = [
-        policy.refine_scores(inputs, score, layer_counts)
-        for inputs, score, layer_counts in zip(layers, scores, per_layer)
+        torch.where(refined.isnan(), torch.finfo(refined.dtype).min, refined)
+        for refined in (
+            policy.refine_scores(inputs, score, layer_counts)
+            for inputs, score, layer_counts in zip(layers, scores, per_layer)
+        )
     ]
     ranked = refined[0] if len(refined) == 1 else stack_streams(refined)
     return counts, select_top(ranked, counts)

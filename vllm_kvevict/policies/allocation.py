@@ -109,7 +109,8 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
     if floor * streams > budget:
         raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
     flat = scores.reshape(-1)
-    chosen = torch.topk(flat, budget - floor * streams).indices
+    # A stable sort, as every other selection: ties go to the earlier entry.
+    chosen = torch.sort(flat, descending=True, stable=True).indices[: budget - floor * streams]
     keep = torch.zeros(streams * width, dtype=torch.bool, device=scores.device)
     keep[chosen] = True
     keep = keep.view(streams, width)
@@ -118,14 +119,16 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
     counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
     # The global pass left budget - sum(counts) unused where a stream had fewer
     # live entries than count + floor; hand it out again globally.
-    order = torch.argsort(scores, dim=-1, descending=True)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(width, device=scores.device).expand(streams, width))
     keep = (rank < counts[:, None]) & live
     spare = budget - int(keep.sum())
     if spare > 0:
         rest = torch.where(keep | ~live, float("-inf"), scores).reshape(-1)
-        extra = torch.topk(rest, min(spare, int((rest > float("-inf")).sum()))).indices
+        extra = torch.sort(rest, descending=True, stable=True).indices[
+            : min(spare, int((rest > float("-inf")).sum()))
+        ]
         keep.view(-1)[extra] = True
     return keep
 

@@ -71,6 +71,13 @@ class ScoringInputs:
         return self.keys.shape[0]
 
 
+def finite_scores(scores: torch.Tensor) -> torch.Tensor:
+    """NaN and ``-inf`` to the smallest finite score (``+inf`` stays): a
+    descending sort then ranks a NaN last instead of first."""
+    lowest = torch.finfo(scores.dtype).min
+    return torch.nan_to_num(scores, nan=lowest, posinf=float("inf"), neginf=lowest)
+
+
 @dataclass
 class EvictionPolicy(ABC):
     """Base class: a policy scores tokens; the base class keeps the best.
@@ -120,9 +127,12 @@ class EvictionPolicy(ABC):
 
         ``live [H, S]`` (bool) marks real tokens when heads hold different
         numbers of them (per-head page tables pad the shorter ones); padding
-        scores ``-inf`` and is never kept.
+        scores ``-inf`` and is never kept. A score that is not a number (a NaN
+        key or value) ranks below every other token, as does ``-inf`` from the
+        policy, so only this method's mark means padding (``+inf`` from the
+        policy, e.g. Expected Attention's own sinks, still means "must stay").
         """
-        scores = self.score(inputs).float()
+        scores = finite_scores(self.score(inputs).float())
         positions = inputs.key_positions
         protected = (positions < num_sink) | (positions >= point - num_recent)
         scores = scores.masked_fill(protected, float("inf"))
