@@ -95,6 +95,32 @@ def test_exported_files_merge_into_one_family_per_name(tmp_path, monkeypatch):
     assert all(name.startswith("kvevict_") for name in METRIC_NAMES)
 
 
+def test_a_metrics_or_stats_file_that_cannot_be_written_does_not_raise(tmp_path, monkeypatch, caplog):
+    """A removed directory (or a full disk): one warning, no exception, and the
+    next write succeeds once the directory is back."""
+    import shutil
+
+    from vllm_kvevict.vllm_glue.snapshot import SnapshotWriter
+
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    monkeypatch.setenv("KVEVICT_METRICS_DIR", str(directory))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = ProcessMetrics("engine0", ENGINE_METRICS, {"model_name": "m", "engine": "0", "policy": "p"})
+    stats = SnapshotWriter(str(directory / "stats.json"))
+    shutil.rmtree(directory)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            metrics.export(force=True)
+            stats.write(lambda: {"steps": 1}, force=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "cannot write" in warnings[0] and "cannot write" in warnings[1]
+    directory.mkdir()
+    metrics.export(force=True)
+    stats.write(lambda: {"steps": 2}, force=True)
+    assert (directory / "engine0.prom").is_file() and (directory / "stats.json").is_file()
+
+
 @pytest.mark.e2e
 def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
     server = snapkv_server

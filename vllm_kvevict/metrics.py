@@ -22,6 +22,7 @@ starts with ``vllm:`` when its stat logger starts.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -35,6 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import REGISTRY, Collector
+
+logger = logging.getLogger(__name__)
 
 METRICS_DIR_ENV = "KVEVICT_METRICS_DIR"
 BASE_LABELS = ("model_name", "engine", "policy")
@@ -130,6 +133,7 @@ class ProcessMetrics:
         self.registry: CollectorRegistry | None = None if _multiprocess() else CollectorRegistry()
         self._dir = os.environ.get(METRICS_DIR_ENV)
         self._last_export = 0.0
+        self._export_failed = False
         self._lock = threading.Lock()
         self.metrics: dict[str, Gauge | Counter | Histogram] = {}
         for name, definition in definitions.items():
@@ -161,10 +165,20 @@ class ProcessMetrics:
         self._last_export = now
         text = generate_latest(self.registry)
         with self._lock:
-            fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(text)
-            os.replace(tmp, os.path.join(self._dir, f"{self.role}.prom"))
+            try:
+                fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-")
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(text)
+                os.replace(tmp, os.path.join(self._dir, f"{self.role}.prom"))
+            except OSError as exc:
+                # A full disk or a removed directory costs the metrics, never
+                # the engine: warn once, keep serving, try again next time.
+                if not self._export_failed:
+                    logger.warning("kvevict metrics: cannot write %s (%s); /metrics misses this "
+                                   "process's kvevict_ series until it can", self._dir, exc)
+                self._export_failed = True
+            else:
+                self._export_failed = False
 
 
 class ExportedMetricsCollector(Collector):
