@@ -6,7 +6,6 @@ The server's KV pool holds 160 blocks (5,120 tokens); each prompt here is
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

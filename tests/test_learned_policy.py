@@ -114,7 +114,7 @@ def test_config_rules_for_the_learned_policy(tmp_path) -> None:
 
 def _trimkv_checkpoint(folder, gen, hidden=48, layers=3, heads=2, width=16, tie=True,
                        distinct=False) -> dict[str, torch.Tensor]:
-    """A gate checkpoint in the authors' layout (spec §4.2): six tensors per
+    """A gate checkpoint in the authors' layout: six tensors per
     layer under ``model.layers.N.self_attn.retention_gate``."""
     state = {}
     w3, b = torch.randn(heads, width, generator=gen), torch.randn(heads, generator=gen)

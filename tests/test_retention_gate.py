@@ -73,7 +73,7 @@ def test_lookahead_score_is_the_explicit_sum(beta: float, horizon: int) -> None:
 
 def test_longer_horizons_favour_long_lived_tokens() -> None:
     """A recent short-lived token beats an old long-lived one myopically, and
-    loses to it when the horizon is long (spec §3.7)."""
+    loses to it when the horizon is long (the paper's §4.2)."""
     log_beta = torch.log(torch.tensor([0.99, 0.999], dtype=torch.float64))
     positions = torch.tensor([99, 1])  # ages 2 and 100 at step 100: 0.98 against 0.905
     myopic = lookahead_log_score(log_beta, positions, 100, horizon=1)

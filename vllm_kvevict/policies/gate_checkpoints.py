@@ -5,7 +5,7 @@ Two formats, both a folder with a ``config.json``:
 * ours (``kvevict train-gates``): ``gates.pt``, the state dict of
   :class:`RetentionGates` in fp16, and ``config.json["gate"]`` its
   :class:`RetentionGateConfig`;
-* the authors' (DBTrimKV / TrimKV on Hugging Face, spec §4.2):
+* the authors' (DBTrimKV / TrimKV on Hugging Face):
   ``trimkv_weights.pth``, six tensors per layer under
   ``...layers.{l}.self_attn.retention_gate.*`` (two hidden linears with biases,
   the readout ``W3`` and its bias), and the base model's ``config.json`` with

