@@ -17,6 +17,7 @@ from vllm_kvevict.config import (
     help_text,
     parse_config_source,
 )
+from vllm_kvevict.policies import POLICIES
 
 FIELDS = [
     "policy",
@@ -398,3 +399,97 @@ def test_head_pages_budget_must_hold_protected_tokens_in_whole_blocks():
     with pytest.raises(KVEvictionConfigError, match="raise budget to at least 64"):
         config.check_block_size(32)
     config.check_block_size(8)  # 40 is whole blocks of 8 and holds 4 + 32
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+POLICY_CONFIGS = [p for p in YAML_FILES if p.stem in POLICIES]
+
+
+@pytest.mark.skipif(not POLICY_CONFIGS, reason="no configs/POLICY.yaml in this checkout")
+@pytest.mark.parametrize("path", POLICY_CONFIGS, ids=lambda p: p.name)
+def test_a_policy_named_config_is_that_policys_defaults(path):
+    """configs/NAME.yaml holds the measured best settings of policy NAME, and
+    `--kv-eviction NAME` without a config gives the same: a config that sets
+    another value than the policy's default is a disagreement to resolve (in
+    the policy's defaults, or in a config named otherwise)."""
+    assert _effective(build_config(parse_config_source(str(path)))) == _effective(
+        build_config({"policy": path.stem})
+    )
+
+
+def _effective(config: EvictionConfig) -> tuple:
+    """A config's settings with its policy options resolved (defaults filled
+    in, CriticalKV's base built)."""
+    import dataclasses
+
+    settings = config.model_dump()
+    settings.pop("policy_options")
+    policy = config.build_policy()
+    options = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "base_options"}
+    return settings, options, getattr(policy, "base_policy", None)
+
+
+def _readme_setting_row(key: str) -> str:
+    rows = [line for line in README.read_text().splitlines() if line.startswith(f"| `{key}` |")]
+    assert len(rows) == 1, f"README.md has no single settings row for {key}"
+    return rows[0]
+
+
+# Labels of the README's policy_options row and the policies they describe.
+README_OPTION_LABELS = {
+    "SnapKV, PyramidKV and MomentKV": ["snapkv", "pyramidkv", "momentkv"],
+    "MomentKV": ["momentkv"],
+    "KeyDiff": ["keydiff"],
+    "Expected Attention": ["expected_attention"],
+    "CriticalKV": ["criticalkv"],
+    "random": ["random"],
+    "learned": ["learned"],
+}
+
+
+def test_readme_policy_option_defaults_are_the_policies_defaults():
+    """Every `option` (default) in the README's policy_options row is the
+    policy's own default; every policy option is in the row."""
+    import re
+
+    from vllm_kvevict.policies import policy_options
+
+    cell = _readme_setting_row("policy_options").split(" | ")[2]
+    cell = cell.split(". `kvevict policies`")[0]
+    documented: dict[str, set[str]] = {}
+    segments, depth, start = [], 0, 0
+    for i, char in enumerate(cell):  # "; " between policies, not inside parentheses
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and cell.startswith("; ", i):
+            segments.append(cell[start:i])
+            start = i + 2
+    segments.append(cell[start:])
+    for segment in segments:
+        label, _, items = segment.partition(": ")
+        assert label in README_OPTION_LABELS, f"README policy_options: unknown label {label!r}"
+        for name, default in re.findall(r"`(\w+)`(?: \(([^,)]+))?", items):
+            for policy in README_OPTION_LABELS[label]:
+                documented.setdefault(policy, set()).add(name)
+                written = default.split("/")[0].strip()
+                if not re.fullmatch(r"`[^`]+`|-?[0-9.e-]+|true|false", written):
+                    continue  # no default given, or a description
+                written = written.strip("`")
+                value = policy_options(policy)[name]
+                assert written == str(value).lower() or float(written) == value, (
+                    f"README says {policy} {name} defaults to {written}, the policy to {value!r}"
+                )
+    for policy in {p for names in README_OPTION_LABELS.values() for p in names}:
+        assert documented[policy] >= set(policy_options(policy)), policy
+
+
+def test_readme_head_budget_defaults_are_the_policies_defaults():
+    import re
+
+    cell = _readme_setting_row("head_budget").split(" | ")[1]
+    general, *segments = cell.split("; ")
+    exceptions = {}
+    for segment in segments:
+        budget, _, names = segment.partition(" for ")
+        exceptions.update({name: budget.strip("`") for name in re.findall(r"`(\w+)`", names)})
+    for name, policy in POLICIES.items():
+        assert policy.default_head_budget == exceptions.get(name, general.strip("`")), name

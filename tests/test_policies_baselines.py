@@ -184,7 +184,7 @@ def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
         summary[0, h].fold_(evicted_k[h][:3], evicted_v[h][:3])
         summary[0, h].fold_(evicted_k[h][3:], evicted_v[h][3:])
     inputs.evicted = summary.row(0)
-    scores = MomentKVPolicy().score(inputs)
+    scores = MomentKVPolicy(kernel_size=7).score(inputs)
     keys, values, queries = inputs.keys.double(), inputs.values.double(), inputs.queries.double()
     for h in range(heads):
         ke, ve = evicted_k[h].double(), evicted_v[h].double()
@@ -213,7 +213,7 @@ def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
             assert float(scores[h, j]) == pytest.approx(alpha * float(residual.norm()), rel=1e-4, abs=1e-7)
     # nothing evicted yet: attention x value norm
     inputs.evicted = EvictedMoments.zeros(None, heads, dim)
-    attention = MomentKVPolicy().score(inputs) / inputs.values.norm(dim=-1)
+    attention = MomentKVPolicy(kernel_size=7).score(inputs) / inputs.values.norm(dim=-1)
     from vllm_kvevict.policies import SnapKVPolicy
     assert torch.allclose(attention, SnapKVPolicy(kernel_size=7).score(inputs), atol=1e-6)
 

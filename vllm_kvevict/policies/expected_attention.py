@@ -34,6 +34,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     needs_queries = True
     needs_rotary = True
     default_prefill_mode = "end_of_prompt"
+    default_head_budget = "adaptive"  # kvpress's registry wraps it in AdaKV
     default_observation_window = 128  # the paper's buffer of recent hidden states
     epsilon: float = 0.02
     num_future: int = 512

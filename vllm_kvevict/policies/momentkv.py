@@ -24,14 +24,15 @@ class MomentKVPolicy(EvictionPolicy):
     eviction (``r_j = v_j`` while nothing is evicted) and ``α_j`` SnapKV's
     score of token j: the attention the observation window pays to it,
     averaged over the window and the query heads of the group, pooled along
-    the sequence (``kernel_size``, ``pooling``; SnapKV's max-pool of 7). The
-    paper builds on SnapKV's prefill protocol (§5.1) and "merges adjacent
-    tokens into chunks of size 4 before scoring"; measured on the default
-    model at 4k tokens, scoring single tokens (kernel 1) loses most needles
-    at half the cache, since a kept number's neighbouring digits are evicted,
-    so α is SnapKV's pooled score and the SnapKV selection with the same
-    pooling is the base this policy is compared with (the paper's ablation,
-    Table 3, is on SnapKV too). The evicted tokens are folded into the statistics and corrected
+    the sequence (``kernel_size``, ``pooling``; SnapKV's max-pool, kernel 15
+    as SnapKV's default here). The paper builds on SnapKV's prefill protocol
+    and AdaKV's head budgets (§5.1, this policy's default ``head_budget``) and
+    "merges adjacent tokens into chunks of size 4 before scoring"; measured
+    on the default model at 4k tokens, narrow pooling (kernel 1, and kernel
+    7) loses needles, since a kept number's neighbouring digits are evicted,
+    so α is SnapKV's pooled score and AdaKV + SnapKV with the same pooling is
+    the base this policy is compared with (the paper's ablation, Table 3, is
+    on SnapKV too). The evicted tokens are folded into the statistics and corrected
     for in every attention output (``moment_correction``, Eqs. 9-12), which this
     policy requires. With ``moment_covariance`` diagonal or none, the model
     is the same with ``C`` reduced to its diagonal or dropped. The
@@ -43,7 +44,8 @@ class MomentKVPolicy(EvictionPolicy):
     needs_queries = True
     needs_moments = True
     default_prefill_mode = "end_of_prompt"
-    kernel_size: int = 7
+    default_head_budget = "adaptive"  # the paper builds on AdaKV (§5.1)
+    kernel_size: int = 15
     pooling: Literal["max", "avg"] = "max"
     rounds: int = 8
 

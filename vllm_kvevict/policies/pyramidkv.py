@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
@@ -21,4 +20,4 @@ class PyramidKVPolicy(SnapKVPolicy):
     """
 
     name = "pyramidkv"
-    default_head_budget: ClassVar[str] = "pyramid"
+    default_head_budget = "pyramid"

@@ -23,13 +23,17 @@ class SnapKVPolicy(EvictionPolicy):
 
     GQA: the attention of the ``G`` query heads sharing a KV head is averaged
     (as in kvpress and the KeyDiff paper's baselines, App. F.2). The original
-    repository's configs use max pooling with kernel 7 and window 32.
+    repository's configs use max pooling with kernel 7 and window 32; the
+    default kernel here is 15: on the default model, which writes numbers
+    digit by digit, kernel 7 keeps a number the window attends to but drops
+    its neighbouring digits, and kernel 15 keeps them (RULER at 4k,
+    ``benchmarks/README.md``).
     """
 
     name = "snapkv"
     needs_queries = True
     default_prefill_mode = "end_of_prompt"
-    kernel_size: int = 7
+    kernel_size: int = 15
     pooling: Literal["max", "avg"] = "max"
 
     def __post_init__(self) -> None:
