@@ -498,6 +498,20 @@ class ReferenceEvictingDecoder:
             raise AssertionError(f"step {step} crosses eviction points {points}")
         return points[0], self.schedule.frontier_at_point(points[0])
 
+    def _observation_queries(
+        self, store: _LayerStore, point: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The stored queries of positions ``[point - observation_window,
+        point)`` and their positions, or ``(None, None)`` for a policy that
+        reads no queries."""
+        assert self.config is not None and self.policy is not None
+        if not self.policy.needs_queries:
+            return None, None
+        assert store.query_history is not None and store.query_positions is not None
+        window = self.config.observation_window
+        obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
+        return store.query_history[:, obs], store.query_positions[obs]
+
     def _evict(
         self, store: _LayerStore, step: _Step, scale: float, parts: dict[str, Any]
     ) -> None:
@@ -525,15 +539,13 @@ class ReferenceEvictingDecoder:
         if num_keep >= num_cand:
             return
 
-        window = self.config.observation_window
-        obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
-        needs_q = self.policy.needs_queries
+        queries, query_positions = self._observation_queries(store, point)
         inputs = ScoringInputs(
             keys=store.keys[:, :num_cand],
             values=store.values[:, :num_cand],
             key_positions=store.positions[:, :num_cand],
-            queries=store.query_history[:, obs] if needs_q else None,
-            query_positions=store.query_positions[obs] if needs_q else None,
+            queries=queries,
+            query_positions=query_positions,
             scale=scale,
             **parts,
         )
@@ -565,9 +577,7 @@ class ReferenceEvictingDecoder:
         (keys, values, positions), live = _live_in_position_order(
             store.positions, (store.keys, store.values, store.positions)
         )
-        window = self.config.observation_window
-        obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
-        needs_q = self.policy.needs_queries
+        queries, query_positions = self._observation_queries(store, point)
         moments = None
         if self.config.moment_correction:
             if store.moments is None:
@@ -583,8 +593,8 @@ class ReferenceEvictingDecoder:
                 )
         inputs = ScoringInputs(
             keys=keys, values=values, key_positions=positions,
-            queries=store.query_history[:, obs] if needs_q else None,
-            query_positions=store.query_positions[obs] if needs_q else None,
+            queries=queries,
+            query_positions=query_positions,
             scale=scale,
             evicted=moments,
             **parts,
@@ -634,7 +644,6 @@ class ReferenceEvictingDecoder:
             return
         bs, stores = self.block_size, self._layers
         gathered, inputs, lives = [], [], []
-        window = self.config.observation_window
         for store in stores:
             assert store.keys is not None and store.values is not None and store.positions is not None
             if not self.policy.needs_log_beta:  # no gates: log β unused
@@ -642,11 +651,7 @@ class ReferenceEvictingDecoder:
             taken, live = _live_in_position_order(
                 store.positions, (store.keys, store.values, store.positions, store.log_beta)
             )
-            queries = query_positions = None
-            if self.policy.needs_queries:
-                assert store.query_history is not None and store.query_positions is not None
-                obs = (store.query_positions >= max(0, point - window)) & (store.query_positions < point)
-                queries, query_positions = store.query_history[:, obs], store.query_positions[obs]
+            queries, query_positions = self._observation_queries(store, point)
             inputs.append(ScoringInputs(
                 keys=taken[0], values=taken[1], key_positions=taken[2], queries=queries,
                 query_positions=query_positions, scale=self._scale, log_beta=taken[3], step=point,

@@ -188,6 +188,12 @@ class EvictionStepPlan:
         )
 
     @property
+    def last_compactions(self) -> dict[int, EvictionPoint]:
+        """Each request's last compacting point of the step, by batch index:
+        where pooled layers are ranked (once, after the last layer)."""
+        return {ev.batch_index: ev for ev in self.evictions if ev.compacts}
+
+    @property
     def max_region_len(self) -> int:
         """A host-side bound on any head's live tokens in this step (compacted + standard)."""
         state = self.state
@@ -498,11 +504,8 @@ class EvictingImpl:
         if plan.storage == "global":
             self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
             if plan.rule.policy.needs_queries:
-                for ev in plan.evictions:
-                    if ev.compacts:
-                        plan.pooled_queries[layer_index, ev.batch_index] = self._observation(
-                            plan, layer_index, ev, query
-                        )
+                for i, ev in plan.last_compactions.items():
+                    plan.pooled_queries[layer_index, i] = self._observation(plan, layer_index, ev, query)
         else:
             self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         started = time.perf_counter()
@@ -618,8 +621,7 @@ class EvictingImpl:
         state = plan.state
         assert state.global_cache is not None
         cache = self._pool_cache(state.global_cache, plan)
-        last: dict[int, EvictionPoint] = {ev.batch_index: ev for ev in plan.evictions if ev.compacts}
-        for i, ev in last.items():
+        for i, ev in plan.last_compactions.items():
             per_layer = compact_global(
                 cache, plan.rule, ev,
                 [state.stream_rows(layer_index, ev.state_row) for layer_index in range(state.num_layers)],
