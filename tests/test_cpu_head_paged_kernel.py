@@ -431,7 +431,7 @@ def test_sources_ship_as_package_data():
     assert source.is_file()
 
 
-def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
+def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):
     """A build that fails (here: the compiler "fails") logs one warning with
     the reason and leaves the torch path to answer."""
     from torch.utils import cpp_extension
@@ -439,6 +439,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     def broken(**kwargs):
         raise RuntimeError("Error building extension\nfoo.cpp:1:1: error: no compiler today\n")
 
+    monkeypatch.setenv("KVEVICT_CACHE_DIR", str(tmp_path))  # no finished build to load
     monkeypatch.setattr(cpu_ops, "_loaded", False)
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpp_extension, "load", broken)

@@ -28,14 +28,24 @@ storage).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import platform
+import shutil
+import stat
+import sys
+import tempfile
 import threading
+import time
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -46,10 +56,37 @@ logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "kvevict_cpu_ops"
 _SOURCE = "head_paged_attention.cpp"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
+_LDFLAGS = ("-fopenmp",)
+# The longest wait for another process's build of the same kernel, and the age
+# past which a build directory left behind (a killed build) is removed.
+BUILD_TIMEOUT_S = 600.0
+_POLL_S = 0.2
+
+
+class KernelStatus(NamedTuple):
+    """Which implementation serves CPU head-paged attention, and why."""
+
+    kernel: str  # "cpp" (the C++ extension) or "torch"
+    reason: str
+
 
 _lock = threading.Lock()
 _loaded = False
 _module: ModuleType | None = None
+_status_reason = "the C++ kernel has not been loaded"
+
+
+def kernel_status() -> KernelStatus:
+    """``("cpp", where it was loaded from)`` once the C++ kernel serves, else
+    ``("torch", why not)``: the build error, or that it was not loaded yet
+    (``attention_kernel="torch"`` never loads it)."""
+    return KernelStatus("cpp" if _module is not None else "torch", _status_reason)
+
+
+def serving_kernel() -> str:
+    """``"cpp"`` when the C++ extension is loaded, else ``"torch"``."""
+    return kernel_status().kernel
 
 
 def _cpu_fingerprint() -> str:
@@ -70,12 +107,23 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _build_directory() -> Path:
+def _source_key(source: Path) -> str:
+    """A short hash of everything a build depends on besides the CPU: the
+    kernel source, the compiler flags, torch's and Python's versions."""
+    digest = hashlib.sha1(source.read_bytes())
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.implementation.cache_tag):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:12]
+
+
+def _build_directory(source: Path) -> Path:
+    """Where the finished build of ``source`` for this CPU lives:
+    ``<cache>/torch_extensions/kvevict_cpu_ops-<cpu>-<source key>``, holding
+    only the extension's shared object. Not created here."""
     from vllm_kvevict.paths import cache_dir
 
-    path = cache_dir() / "torch_extensions" / f"{_EXTENSION_NAME}-{_cpu_fingerprint()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    name = f"{_EXTENSION_NAME}-{_cpu_fingerprint()}-{_source_key(source)}"
+    return cache_dir() / "torch_extensions" / name
 
 
 def _source_path() -> Path:
@@ -84,40 +132,259 @@ def _source_path() -> Path:
     return Path(str(resources.files("vllm_kvevict.csrc").joinpath(_SOURCE)))
 
 
+# --------------------------------------------------------------------- build cache
+
+
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` is unsafe to load code from (owned by another user, or
+    writable by group or others), or None."""
+    info = path.stat()
+    if info.st_uid != os.geteuid():
+        return f"{path} is owned by uid {info.st_uid}, not this user (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _private_directories(top: Path, leaf: Path) -> str | None:
+    """Create ``top`` and each directory below it down to ``leaf`` (mode 0o700)
+    where missing, and check every one of them; why one is unsafe or cannot
+    be created (a read-only filesystem), or None."""
+    levels = [top]
+    for part in leaf.relative_to(top).parts:
+        levels.append(levels[-1] / part)
+    for level in levels:
+        try:
+            level.mkdir(mode=0o700, parents=level == top, exist_ok=True)
+        except OSError as exc:
+            return f"{level} cannot be created ({exc.strerror or exc})"
+        problem = _not_private(level)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _unsafe_build(final: Path) -> str | None:
+    """Why the finished build directory ``final`` or its shared object is
+    unsafe to load, or None (also when there is none yet)."""
+    path = _find_extension(final)
+    for item in (final, path):
+        if item is not None and item.exists():
+            problem = _not_private(item)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _find_extension(directory: Path) -> Path | None:
+    """The extension's shared object in a finished build directory, or None.
+
+    torch names it after the module (``kvevict_cpu_ops.so``, or
+    ``kvevict_cpu_ops_v<n>.so`` when one process built it more than once)."""
+    try:
+        found = sorted(directory.glob(f"{_EXTENSION_NAME}*.so"))
+    except OSError:
+        return None
+    return next((path for path in found if path.stem.isidentifier()), None)
+
+
+def _import_extension(path: Path) -> ModuleType:
+    """Import a built extension's shared object directly (no build, no lock)."""
+    loader = importlib.machinery.ExtensionFileLoader(path.stem, str(path))
+    spec = importlib.util.spec_from_file_location(path.stem, str(path), loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot import the extension {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _load_finished(final: Path) -> tuple[ModuleType, Path] | None:
+    """The finished build in ``final`` and its path, imported, or None when
+    there is none; raises if its shared object is not private to this user."""
+    path = _find_extension(final)
+    if path is None:
+        return None
+    problem = _not_private(path)
+    if problem is not None:
+        raise PermissionError(f"refusing to load {problem}")
+    return _import_extension(path), path
+
+
+@contextlib.contextmanager
+def _build_turn(final: Path) -> Iterator[None]:
+    """Wait, at most :data:`BUILD_TIMEOUT_S`, while another process builds
+    ``final``; returns early once its build is there.
+
+    The lock is an ``flock`` on ``<final>.lock``, which the system releases
+    when its holder dies: a killed build never blocks a later start. A
+    filesystem without ``flock`` just builds (the publishing rename is atomic)."""
+    try:
+        fd: int | None = os.open(f"{final}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            _wait_for_lock(fd, final)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _wait_for_lock(fd: int, final: Path) -> None:
+    """Take the ``flock`` on ``fd``, giving up after :data:`BUILD_TIMEOUT_S`
+    or as soon as ``final`` holds a finished build."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    announced = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError:
+            return  # no flock here
+        if time.monotonic() >= deadline or _find_extension(final) is not None:
+            return
+        if not announced:
+            logger.info("vllm-kvevict: waiting for another process building %s", final)
+            announced = True
+        time.sleep(_POLL_S)
+
+
+def _remove_abandoned_builds(parent: Path) -> None:
+    """Delete build directories of killed builds: private build directories
+    (``*.build-*``) older than :data:`BUILD_TIMEOUT_S`."""
+    cutoff = time.time() - BUILD_TIMEOUT_S
+    for path in parent.glob(f"{_EXTENSION_NAME}-*.build-*"):
+        try:
+            if path.is_dir() and not path.is_symlink() and path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _compile(source: Path, directory: Path) -> ModuleType:
+    """Build ``source`` with torch's JIT loader in ``directory`` (which this
+    process alone uses) and import it."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=_EXTENSION_NAME,
+        sources=[str(source)],
+        extra_cflags=list(_CFLAGS),  # torch's loader appends to these lists
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def _publish(staging: Path, final: Path) -> Path:
+    """Move the shared object built in ``staging`` into ``final`` with one
+    atomic rename; where another process published first, keep theirs. The
+    path of the shared object now in ``final``."""
+    built = _find_extension(staging)
+    if built is None:
+        raise FileNotFoundError(f"the build in {staging} produced no {_EXTENSION_NAME}*.so")
+    out = staging / "out"
+    out.mkdir(mode=0o700)
+    os.chmod(built, 0o755)
+    os.rename(built, out / built.name)
+    if final.exists() and _find_extension(final) is None:
+        _discard(final)  # not a finished build (e.g. emptied by hand)
+    try:
+        os.rename(out, final)
+    except OSError:
+        if _find_extension(final) is None:
+            raise
+    return _find_extension(final) or final
+
+
+def _discard(directory: Path) -> None:
+    """Rename ``directory`` aside (atomic), then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f"{directory.name}.build-", dir=directory.parent))
+    try:
+        os.rename(directory, aside / "old")
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _build_and_publish(source: Path, final: Path) -> tuple[ModuleType, str]:
+    """Build in a private directory beside ``final``, then publish it there."""
+    staging = Path(tempfile.mkdtemp(prefix=f"{final.name}.build-", dir=final.parent))
+    try:
+        module = _compile(source, staging)
+        return module, f"built into {_publish(staging, final)}"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_privately(source: Path) -> ModuleType:
+    """Build in a fresh private temporary directory, removed once loaded."""
+    staging = Path(tempfile.mkdtemp(prefix=f"{_EXTENSION_NAME}-"))
+    try:
+        return _compile(source, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _load_or_build(source: Path) -> tuple[ModuleType, str]:
+    """The extension and where it came from: the cached build when there is
+    one, else a new build published to the cache (at most one process builds
+    at a time). An unsafe cache directory is neither read nor written."""
+    from vllm_kvevict.paths import cache_dir
+
+    final = _build_directory(source)
+    problem = _private_directories(cache_dir(), final.parent) or _unsafe_build(final)
+    if problem is not None:
+        logger.warning(
+            "vllm-kvevict: not loading the C++ kernel from the cache: %s; building it in a "
+            "private temporary directory instead, on every start until fixed. Fix: make "
+            "that path this user's and `chmod go-w` it, or set KVEVICT_CACHE_DIR to a "
+            "directory only this user can write",
+            problem,
+        )
+        return _build_privately(source), f"built in a private temporary directory ({problem})"
+    finished = _load_finished(final)
+    if finished is None:
+        with _build_turn(final):
+            finished = _load_finished(final)
+            if finished is None:
+                _remove_abandoned_builds(final.parent)
+                return _build_and_publish(source, final)
+    return finished[0], f"loaded from {finished[1]}"
+
+
 def load_cpu_ops() -> ModuleType | None:
     """The compiled extension, built on first use (cached on disk), or None.
 
-    torch's loader serialises concurrent builds of one directory across
-    processes (a lock file) and reuses a finished build. A missing compiler or
-    a failed build logs one warning and gives None: callers fall back to
-    :func:`head_paged_attention_torch`.
+    A finished build is imported directly, without a lock. Otherwise one
+    process at a time builds it in a private directory and renames the result
+    into the cache, so a build killed half-way leaves nothing a later start
+    waits on. A missing compiler or a failed build logs one warning and gives
+    None (callers fall back to :func:`head_paged_attention_torch`); the next
+    start retries. :func:`kernel_status` says which implementation serves.
     """
-    global _loaded, _module
+    global _loaded, _module, _status_reason
     with _lock:
         if _loaded:
             return _module
         _loaded = True
         try:
-            from torch.utils import cpp_extension
-
             source = _source_path()
             if not source.is_file():
                 raise FileNotFoundError(f"kernel source {source} is not installed")
-            _module = cpp_extension.load(
-                name=_EXTENSION_NAME,
-                sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_directory()),
-                verbose=False,
-            )
+            _module, _status_reason = _load_or_build(source)
         except Exception as exc:  # no compiler, no ninja, a compile error
             _module = None
+            _status_reason = f"{type(exc).__name__}: {_reason(exc)}"
             logger.warning(
-                "vllm-kvevict: the C++ CPU attention kernel is unavailable (%s: %s); "
-                "using the torch implementation",
-                type(exc).__name__,
-                _reason(exc),
+                "vllm-kvevict: the C++ CPU attention kernel is unavailable (%s); using the "
+                "slower torch implementation. Fix the cause (a C++ compiler and ninja are "
+                "needed) and restart to retry the build",
+                _status_reason,
             )
         return _module
 
@@ -356,9 +623,13 @@ def head_paged_attention(
 
 
 __all__ = [
+    "BUILD_TIMEOUT_S",
+    "KernelStatus",
     "attend_head_tokens",
     "head_paged_attention",
     "head_paged_attention_torch",
+    "kernel_status",
     "load_cpu_ops",
     "region_attention",
+    "serving_kernel",
 ]
