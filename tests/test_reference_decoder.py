@@ -213,11 +213,19 @@ class _SpyPolicy:
         self.needs_output_projection: bool = inner.needs_output_projection
         self.calls: list[tuple[Any, ...]] = []
 
-    def masked_scores(
-        self, inputs: Any, num_sink: int, num_recent: int, point: int, live: Any = None
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def score(self, inputs: Any) -> torch.Tensor:
+        return self.inner.score(inputs)
+
+    def mask_scores(
+        self, scores: torch.Tensor, inputs: Any, num_sink: int, num_recent: int, point: int,
+        live: Any = None,
     ) -> torch.Tensor:
         self._scored = (num_sink, num_recent, point)
-        return self.inner.masked_scores(inputs, num_sink, num_recent, point, live)
+        return self.inner.mask_scores(scores, inputs, num_sink, num_recent, point, live)
 
     def refine_scores(self, inputs: Any, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Every head keeps the same count here (slots storage): the policy's
