@@ -1,6 +1,8 @@
 """Head budget allocation (uniform, AdaKV, PyramidKV), page rounding and per-head selection,
 against brute-force loop implementations of their definitions."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -231,8 +233,8 @@ def test_global_top_b_breaks_ties_by_position():
 @pytest.mark.parametrize("policy", ["keydiff", "snapkv", "knorm", "momentkv"])
 def test_a_nan_key_does_not_evict_sinks_or_recent_tokens(policy):
     """One NaN key (KeyDiff's anchor, SnapKV's attention and the key norm
-    become NaN): every head still keeps its sinks and recent window and its
-    full count of tokens; the NaN token ranks last."""
+    become NaN): the selection falls back to the sinks and the most recent
+    tokens, every head keeps its full count, the fallback is reported."""
     from vllm_kvevict.config import build_config
     from vllm_kvevict.eviction.moments import EvictedMoments
     from vllm_kvevict.eviction.select import KeepRule, choose_kept
@@ -251,10 +253,45 @@ def test_a_nan_key_does_not_evict_sinks_or_recent_tokens(policy):
         scale=dim ** -0.5,
         evicted=EvictedMoments.zeros(None, heads, dim) if config.moment_correction else None,
     )
-    counts, kept = choose_kept(KeepRule.from_config(config), [inputs], [None], width, heads * 48, 1)
+    fallbacks: list[str] = []
+    rule = dataclasses.replace(KeepRule.from_config(config), on_fallback=fallbacks.append)
+    counts, kept = choose_kept(rule, [inputs], [None], width, heads * 48, 1)
     assert counts.tolist() == [48, 48]
+    # NaN scores: the selection falls back to the sinks and the most recent tokens.
+    assert fallbacks == ["non_finite_scores"]
     for h in range(heads):
-        chosen = set(kept[h, : int(counts[h])].tolist())
-        assert set(range(4)) | set(range(width - 8, width)) <= chosen, h
-    if policy != "keydiff":  # a NaN anchor makes every KeyDiff score NaN
-        assert 40 not in set(kept[0, :48].tolist())
+        assert kept[h].tolist() == [*range(4), *range(width - 44, width)], h
+
+
+def test_a_failing_policy_falls_back_to_sinks_and_recent_tokens():
+    """A policy whose scoring raises: every stream keeps what StreamingLLM
+    keeps, in the planned number of pages (head pages with AdaKV too), and
+    the failure is reported by its exception type."""
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.eviction.select import KeepRule, choose_kept
+    from vllm_kvevict.policies.base import ScoringInputs
+
+    gen = torch.Generator().manual_seed(11)
+    heads, width, dim, page = 4, 200, 16, 16
+    inputs = ScoringInputs(
+        keys=torch.randn(heads, width, dim, generator=gen), values=torch.randn(heads, width, dim, generator=gen),
+        key_positions=torch.arange(width).expand(heads, -1),
+        queries=torch.randn(heads, 8, dim, generator=gen), query_positions=torch.arange(width - 8, width),
+        scale=dim ** -0.5,
+    )
+    for head_budget, total, size in (("uniform", heads * 64, 1), ("adaptive", 16, page)):
+        settings = {"budget": 64, "sink_tokens": 4, "recent_window": 8, "head_budget": head_budget}
+        failing = KeepRule.from_config(build_config({"policy": "snapkv", **settings}))
+        reference = KeepRule.from_config(build_config({"policy": "streamingllm", **settings}))
+
+        def broken(_inputs):
+            raise ZeroDivisionError("boom")
+
+        object.__setattr__(failing.policy, "score", broken)
+        fallbacks: list[str] = []
+        failing = dataclasses.replace(failing, on_fallback=fallbacks.append)
+        counts, kept = choose_kept(failing, [inputs], [None], width, total, size)
+        expected_counts, expected = choose_kept(reference, [inputs], [None], width, total, size)
+        assert fallbacks == ["ZeroDivisionError"], head_budget
+        assert torch.equal(counts, expected_counts) and torch.equal(kept, expected), head_budget
+        assert int(counts.sum()) <= total * size

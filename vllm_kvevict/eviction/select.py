@@ -15,8 +15,9 @@ for one layer, the layer's own heads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,16 +33,22 @@ from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 if TYPE_CHECKING:
     from vllm_kvevict.config import EvictionConfig
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class KeepRule:
     """What the settings say about keeping: the policy that scores, the
-    allocation that splits, and the tokens that always stay."""
+    allocation that splits, and the tokens that always stay.
+
+    ``on_fallback(reason)`` hears of every selection that fell back to the
+    sinks and the most recent tokens (see :func:`choose_kept`)."""
 
     policy: EvictionPolicy
     allocation: HeadAllocation
     sink_tokens: int
     recent_window: int
+    on_fallback: Callable[[str], None] | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, config: EvictionConfig) -> KeepRule:
@@ -49,6 +56,13 @@ class KeepRule:
             config.build_policy(), config.build_allocation(), config.sink_tokens,
             config.recent_window,
         )
+
+
+NON_FINITE = "non_finite_scores"
+
+
+class NonFiniteScores(ArithmeticError):
+    """A policy scored a live token NaN."""
 
 
 def choose_kept(
@@ -72,21 +86,70 @@ def choose_kept(
     Returns:
         ``counts [L * H]`` and ``kept [L * H, max(counts)]``: each stream's
         kept indices into its layer's ``S_l``, ascending, ``-1`` padded.
+
+    A policy whose scoring raises, or scores a live token NaN, does not stop
+    the eviction: the streams keep their sinks and most recent tokens instead
+    (StreamingLLM's choice, which needs nothing but positions), in the same
+    number of pages, so the cache layout and the blocks freed are those the
+    scheduler planned. Each cause is logged once and reported to
+    ``rule.on_fallback``.
     """
+    try:
+        scores = [_finite(rule.policy.score(inputs).float()) for inputs in layers]
+        return _select(rule, layers, live, point, total_pages, page_size, scores, refine=True)
+    except Exception as exc:  # a policy's failure must not end the engine
+        reason = NON_FINITE if isinstance(exc, NonFiniteScores) else type(exc).__name__
+        _report_fallback(rule, reason, exc)
+    recency = [inputs.key_positions.float().expand_as(inputs.keys[..., 0]) for inputs in layers]
+    return _select(rule, layers, live, point, total_pages, page_size, recency, refine=False)
+
+
+def _select(
+    rule: KeepRule,
+    layers: Sequence[ScoringInputs],
+    live: Sequence[torch.Tensor | None],
+    point: int,
+    total_pages: int,
+    page_size: int,
+    raw_scores: list[torch.Tensor],
+    refine: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     policy = rule.policy
     scores = [
-        policy.masked_scores(inputs, rule.sink_tokens, rule.recent_window, point, mask)
-        for inputs, mask in zip(layers, live)
+        policy.mask_scores(raw, inputs, rule.sink_tokens, rule.recent_window, point, mask)
+        for raw, inputs, mask in zip(raw_scores, layers, live)
     ]
     stacked = scores[0] if len(scores) == 1 else stack_streams(scores)
     counts = allocate_head_tokens(rule.allocation, stacked, total_pages, page_size, len(scores))
-    per_layer = counts.split([score.shape[0] for score in scores])
-    refined = [
-        torch.where(refined.isnan(), torch.finfo(refined.dtype).min, refined)
-        for refined in (
-            policy.refine_scores(inputs, score, layer_counts)
+    if refine:
+        per_layer = counts.split([score.shape[0] for score in scores])
+        scores = [
+            _finite(policy.refine_scores(inputs, score, layer_counts))
             for inputs, score, layer_counts in zip(layers, scores, per_layer)
-        )
-    ]
-    ranked = refined[0] if len(refined) == 1 else stack_streams(refined)
+        ]
+    ranked = scores[0] if len(scores) == 1 else stack_streams(scores)
     return counts, select_top(ranked, counts)
+
+
+def _finite(scores: torch.Tensor) -> torch.Tensor:
+    """``scores``, or :class:`NonFiniteScores` when one is NaN."""
+    if bool(scores.isnan().any()):
+        raise NonFiniteScores("a score is NaN")
+    return scores
+
+
+_reported: set[tuple[str, str]] = set()
+
+
+def _report_fallback(rule: KeepRule, reason: str, exc: BaseException) -> None:
+    key = (rule.policy.name, reason)
+    if key not in _reported:
+        _reported.add(key)
+        logger.warning(
+            "kvevict: policy %r could not score an eviction (%s: %s); that (request, layer) "
+            "kept its sink and most recent tokens instead, and so will others failing the same "
+            "way (counted in kvevict_eviction_fallbacks_total{reason=%r}, logged once)",
+            rule.policy.name, type(exc).__name__, exc, reason, exc_info=not isinstance(exc, NonFiniteScores),
+        )
+    if rule.on_fallback is not None:
+        rule.on_fallback(reason)

@@ -132,7 +132,19 @@ class EvictionPolicy(ABC):
         policy, so only this method's mark means padding (``+inf`` from the
         policy, e.g. Expected Attention's own sinks, still means "must stay").
         """
-        scores = finite_scores(self.score(inputs).float())
+        return self.mask_scores(self.score(inputs).float(), inputs, num_sink, num_recent, point, live)
+
+    @staticmethod
+    def mask_scores(
+        scores: torch.Tensor,
+        inputs: ScoringInputs,
+        num_sink: int,
+        num_recent: int,
+        point: int,
+        live: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``scores [H, S]`` with the marks of :meth:`masked_scores`."""
+        scores = finite_scores(scores)
         positions = inputs.key_positions
         protected = (positions < num_sink) | (positions >= point - num_recent)
         scores = scores.masked_fill(protected, float("inf"))
