@@ -87,7 +87,8 @@ def _metadata(query_lens: list[int], seq_lens: list[int], num_blocks: int = 256)
     query_start = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
     tokens = int(query_start[-1])
     generator = torch.Generator().manual_seed(7)
-    table = torch.randperm(num_blocks, generator=generator)[: num_reqs * 40].view(num_reqs, 40).int()
+    # Block 0 is vLLM's null block: never a live block.
+    table = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: num_reqs * 40].view(num_reqs, 40).int()
     return CommonAttentionMetadata(
         query_start_loc=query_start.clone(),
         query_start_loc_cpu=query_start,
@@ -115,9 +116,20 @@ def test_builder_plans_from_host_lengths(builder, monkeypatch):
     cm = _metadata([300, 1, 1], [300, 616, 608])
     prompt_lens = np.array([300, 600, 600])
 
+    monkeypatch.setattr(runner_hooks, "_building", True)
     monkeypatch.setattr(runner_hooks, "_current", None)
     plain = builder.build(0, cm)
     assert type(plain) is TritonAttentionMetadata  # vLLM's dummy runs: no plan
+
+    # A real step must be planned: no batch, or another batch, is an error
+    # (attention without the plan would read freed blocks), not plain vLLM.
+    monkeypatch.setattr(runner_hooks, "_building", False)
+    with pytest.raises(RuntimeError, match="built with no batch"):
+        builder.build(0, cm)
+    monkeypatch.setattr(runner_hooks, "_building", True)
+    monkeypatch.setattr(runner_hooks, "_current", runner_hooks.BatchContext(["a", "b"], prompt_lens[:2]))
+    with pytest.raises(RuntimeError, match="built with 2 requests"):
+        builder.build(0, cm)
 
     monkeypatch.setattr(runner_hooks, "_current", runner_hooks.BatchContext(["a", "b", "c"], prompt_lens))
     metadata = builder.build(0, cm)
@@ -134,4 +146,11 @@ def test_builder_plans_from_host_lengths(builder, monkeypatch):
     rows = plan.state_rows.tolist()
     assert len(set(rows)) == 3
     assert torch.equal(plan.block_table, cm.block_table_tensor)
+    builder.state.release({"a", "b", "c"})
+
+    # The scheduler freed a block the worker would read (null block 0 inside
+    # request b's live range): stop, never read it.
+    cm.block_table_tensor[1, 616 // BLOCK] = 0
+    with pytest.raises(RuntimeError, match="request b would read a block the scheduler freed"):
+        builder.build(0, cm)
     builder.state.release({"a", "b", "c"})

@@ -156,6 +156,9 @@ def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
     assert labels == {"smollm2"}
     side = total(after, "kvevict_side_buffer_bytes", rank="0")
     assert side == server.worker_stats()["side_buffer_bytes"] > 0
+    # slots storage with the native kernel: vLLM's own attention kernel serves.
+    assert total(after, "kvevict_attention_kernel", rank="0", kernel="vllm") == 1
+    assert total(after, "kvevict_eviction_fallbacks_total") == 0
 
 
 @pytest.mark.e2e

@@ -36,6 +36,32 @@ def sliding_window_model(model_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def gemma_model(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Gemma config, an architecture the learned policy's gates do not hook."""
+    path = tmp_path_factory.mktemp("gemma_model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / name, path / name)
+    config = {
+        "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "vocab_size": 49152, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "torch_dtype": "float32", "hidden_activation": "gelu_pytorch_tanh",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_gates(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Retention gates for the tiny test model, not for the default one."""
+    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
+
+    return str(build_tiny_gates(fetch_tiny_model(), tmp_path_factory.mktemp("tiny") / "gates"))
+
+
 def serve(model: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [vllm_executable(), "serve", model, "--dtype", "float32", "--max-model-len", "2048",
@@ -46,7 +72,9 @@ def serve(model: str, args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_each_bad_input_fails_early_with_one_clear_sentence(model_dir, sliding_window_model, tmp_path):
+def test_each_bad_input_fails_early_with_one_clear_sentence(
+    model_dir, sliding_window_model, gemma_model, tiny_gates, tmp_path
+):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("budget: [512\n")
     cases = [
@@ -71,6 +99,18 @@ def test_each_bad_input_fails_early_with_one_clear_sentence(model_dir, sliding_w
          "cannot be combined with a KV connector"),
         (sliding_window_model, ["--kv-eviction", "streamingllm"],
          "does not support sliding-window models"),
+        # Checked against the model's settings before any worker starts.
+        (model_dir, ["--kv-eviction", "snapkv", "--kv-eviction-config", '{"budget": 5000}'],
+         "budget 5000 exceeds --max-model-len 2048"),
+        (model_dir, ["--kv-eviction", "snapkv", "--kv-eviction-config", '{"observation_window": 4096}'],
+         "observation_window 4096 exceeds --max-model-len 2048"),
+        (model_dir, ["--kv-eviction", "snapkv", "--kv-eviction-config",
+                     '{"head_budget": "adaptive", "budget": 40}'],
+         "budget 40 rounds down to 32"),
+        (gemma_model, ["--kv-eviction", "learned"], "not for GemmaForCausalLM"),
+        (model_dir, ["--kv-eviction", "learned", "--kv-eviction-config",
+                     json.dumps({"policy_options": {"gates": tiny_gates}})],
+         "are for hidden size 256, 4 layers, 4 KV heads"),
     ]
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda case: serve(case[0], case[1]), cases))

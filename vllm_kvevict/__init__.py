@@ -54,6 +54,8 @@ def register() -> None:
     from vllm_kvevict.metrics import install_metrics_export
     from vllm_kvevict.vllm_glue.cli import install_cli
     from vllm_kvevict.vllm_glue.gate_capture import install_model_load_hook
+    from vllm_kvevict.vllm_glue.runner_hooks import install_side_buffer_hook
+    from vllm_kvevict.vllm_glue.request_guard import install_request_guard
     from vllm_kvevict.vllm_glue.spec import register_spec
 
     if compat.platform_name() == "cuda":
@@ -66,6 +68,8 @@ def register() -> None:
     install_cli()
     install_metrics_export()
     install_model_load_hook()
+    install_side_buffer_hook()
+    install_request_guard()
 
 
 def gpu_backend_member() -> Any:

@@ -92,13 +92,24 @@ WORKER_METRICS = {
         buckets=LATENCY_BUCKETS,
     ),
     "kvevict_side_buffer_bytes": MetricDef(
-        "gauge", "Bytes allocated for per-request side buffers (positions, query ring) on "
-        "this rank; grown on demand, reused, never shrunk.",
+        "gauge", "Bytes allocated for per-request side buffers (positions, query ring, page "
+        "tables, moments, log beta) on this rank; allocated at start-up for max_num_seqs rows.",
         labels=("rank",),
     ),
     "kvevict_layer_retained_tokens": MetricDef(
         "gauge", "Tokens the running requests keep in this layer (mean over its KV heads).",
         labels=("layer",),
+    ),
+    "kvevict_eviction_fallbacks": MetricDef(
+        "counter", "(request, layer) evictions that kept the sinks and the most recent tokens "
+        "instead of the policy's choice, because its scoring raised or gave non-finite scores.",
+        labels=("reason",),
+    ),
+    "kvevict_attention_kernel": MetricDef(
+        "gauge", "1 for the attention kernel serving this rank's evicting layers "
+        "(vllm: vLLM's own; cpp: the plugin's C++ kernel; torch: the torch fallback; "
+        "triton: the Triton kernels).",
+        labels=("rank", "kernel"),
     ),
     "kvevict_head_retained_tokens": MetricDef(
         "histogram", "Tokens one (layer, KV head) of this rank keeps after an eviction.",

@@ -47,7 +47,7 @@ class StreamRows:
     original positions of its compacted tokens, and with head-pages its page
     table, compacted length and evicted-token moments."""
 
-    positions: torch.Tensor  # [H, capacity] int64
+    positions: torch.Tensor  # [H, capacity] int32
     pages: torch.Tensor | None = None  # [H, max_pages] int32 head-page ids
     lens: torch.Tensor | None = None  # [H] int32
     moments: "EvictedMoments | None" = None

@@ -147,6 +147,48 @@ def _reject_incompatible_model(vllm_config: Any) -> None:
         )
 
 
+def _check_settings_for_model(config: EvictionConfig, vllm_config: Any) -> None:
+    """What the workers would otherwise find out at start-up, checked here so
+    that it reads as one line: settings against the model's lengths and block
+    size, and the learned policy's model support and gates."""
+    max_model_len = vllm_config.model_config.max_model_len
+    for name in ("budget", "observation_window"):
+        value = getattr(config, name)
+        if value > max_model_len:
+            _fail(
+                f"{name} {value} exceeds --max-model-len {max_model_len}: no request can "
+                f"reach it; set {name} to at most {max_model_len}"
+            )
+    block_size = vllm_config.cache_config.block_size
+    if block_size:
+        config.check_block_size(block_size)
+    if config.policy == "learned":
+        _check_learned(config, vllm_config)
+
+
+def _check_learned(config: EvictionConfig, vllm_config: Any) -> None:
+    from vllm_kvevict.policies.gate_checkpoints import GateCheckpointError, gates_for_model
+    from vllm_kvevict.vllm_glue.gate_capture import SUPPORTED_ARCHITECTURES
+
+    model_config = vllm_config.model_config
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        _fail(
+            f"policy 'learned' reads each layer's hidden state inside the model, which "
+            f"vllm-kvevict does for {', '.join(SUPPORTED_ARCHITECTURES)}, not for "
+            f"{', '.join(architectures) or 'this model'}; serve it with another policy "
+            "(e.g. --kv-eviction snapkv)"
+        )
+    hf = model_config.hf_text_config
+    try:
+        gates_for_model(
+            config.build_policy().gates, hf.hidden_size, hf.num_hidden_layers,
+            model_config.get_total_num_kv_heads(), str(model_config.model),
+        )
+    except GateCheckpointError as exc:
+        _fail(str(exc))
+
+
 @dataclass(frozen=True)
 class PlatformChanges:
     """What eviction changes in vLLM's settings on a platform."""
@@ -319,6 +361,7 @@ def _install() -> None:
             }
             vllm_config = original_create(self, *args, **kwargs)
             _reject_incompatible_model(vllm_config)
+            _check_settings_for_model(config, vllm_config)
             return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)

@@ -157,6 +157,11 @@ def check_core_contract() -> None:
     _require(FullAttentionSpec, "merge", ("specs",))
     _require(FullAttentionSpec, "max_memory_usage_bytes", ("self", "vllm_config"))
     _require(BlockPool, "get_num_free_blocks", ("self",))
+    check_side_buffer_contract()
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    # Streaming-input requests are refused by keyword (request_guard).
+    _require(InputProcessor, "process_inputs", ("self", "request_id", "prompt", "params", "resumable"))
 
 
 def check_cpu_backend_contract() -> None:
@@ -225,3 +230,18 @@ def check_gpu_backend_contract() -> None:
     _require(TritonAttentionMetadataBuilder, "get_cudagraph_support", ("vllm_config", "kv_cache_spec"))
     _require(TritonAttentionImpl, "forward", ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"))
     _require(TritonAttentionImpl, "do_kv_cache_update", ("self", "layer", "key", "value", "kv_cache", "slot_mapping"))
+
+
+def check_side_buffer_contract() -> None:
+    """What the side-buffer allocation wraps and reads: the model runner's
+    KV-cache specs, reported after the model is loaded and before memory is
+    measured, and the query heads of its attention layers."""
+    from vllm.v1.attention.backends import utils as backend_utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _require(GPUModelRunner, "get_kv_cache_spec", ("self",))
+    if not callable(getattr(backend_utils, "get_num_attention_heads_from_layers", None)):
+        raise VLLMContractError(
+            "vLLM changed: vllm.v1.attention.backends.utils.get_num_attention_heads_from_layers "
+            f"is gone; {_UPGRADE_FIX}"
+        )

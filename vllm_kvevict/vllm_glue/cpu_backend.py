@@ -51,7 +51,6 @@ from vllm_kvevict.vllm_glue.eviction_step import (
     active_config,
     evicting_spec,
 )
-from vllm_kvevict.vllm_glue.runner_hooks import current_batch
 from vllm_kvevict.vllm_glue.triton_cache import write_new_tokens
 from vllm_kvevict.vllm_glue.triton_impl import TritonEvictingImpl
 
@@ -102,10 +101,16 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
             self.page_layout = probe_page_layout(
                 self.block_size, kv_cache_spec.head_size, kv_cache_spec.dtype, self.isa
             )
-        if self.head_paged and self.native:
-            # Build (or load) our kernel now, while the worker starts, rather
-            # than stall the first request for the ~30 s compile.
-            cpu_ops.load_cpu_ops()
+        serving = kernel
+        if self.native:
+            # With head pages, build (or load) our kernel now, while the worker
+            # starts, rather than stall the first request for the ~30 s compile.
+            if not self.head_paged:
+                serving = "vllm"
+            else:
+                cpu_ops.load_cpu_ops()
+                serving = cpu_ops.serving_kernel()
+        self.publish_attention_kernel(serving)
 
     def segment_backend_data(
         self, cm: CommonAttentionMetadata, batch_index: int, first_token: int,
@@ -138,10 +143,9 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> CPUAttentionMetadata:
-        batch = current_batch()
         cm = common_attn_metadata
-        if self.config is None or batch is None or len(batch.req_ids) != cm.num_reqs:
-            # Eviction off, or one of vLLM's dummy/profiling runs.
+        batch = self.step_batch(cm)
+        if batch is None:  # eviction off, or one of vLLM's dummy/profiling runs
             return super().build(common_prefix_len, cm, fast_build)
         plan = self.plan_step(cm, batch, self.page_layout)
         # vLLM's kernel reads [frontier, seq_len): shift each block-table row

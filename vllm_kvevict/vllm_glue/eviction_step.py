@@ -24,6 +24,7 @@ RoPE positions stay true: only what attention reads changes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,21 +43,23 @@ from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, observa
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
-from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs
+from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.gate_capture import current_capture
 from vllm_kvevict.vllm_glue.isolation_check import PoisonFreedBlocks, StepObserver
-from vllm_kvevict.vllm_glue.layer_neighbours import output_projection_slices, rotary_frequencies
+from vllm_kvevict.vllm_glue.layer_neighbours import model_parts
 from vllm_kvevict.vllm_glue.runner_hooks import (
     BatchContext,
+    building_dummy_run,
+    current_batch,
     install_runner_hooks,
-    layer_neighbours,
     on_requests_finished,
 )
 from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
-from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+from vllm_kvevict.vllm_glue.side_buffers import side_buffer_layout
+from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState, adopt_worker_state
 
 Storage = Literal["slots", "head_pages", "global"]
 Kernel = Literal["native", "torch", "triton"]
@@ -243,30 +246,18 @@ class EvictingBuilder:
         self.storage: Storage = (
             "global" if self.global_eviction else "head_pages" if self.head_paged else "slots"
         )
-        max_head_pages = 0
-        if self.head_paged:
-            # After an eviction a request's compacted tokens fill the blocks
-            # [F, P // bs); one head may take every head-page they hold (with
-            # global eviction, those of every layer, but never more than a
-            # whole sequence).
-            streams = kv_cache_spec.num_kv_heads * (len(layer_names) if self.global_eviction else 1)
-            max_head_pages = self.schedule.max_head_pages(
-                streams, vllm_config.model_config.max_model_len if self.global_eviction else None
-            )
-        retained_capacity = self.schedule.retained_capacity(max_head_pages)
-        self.state = WorkerEvictionState(
-            num_layers=len(layer_names),
-            num_kv_heads=kv_cache_spec.num_kv_heads,
-            num_q_heads=num_q_heads,
-            head_dim=kv_cache_spec.head_size,
-            retained_capacity=retained_capacity,
-            query_window=config.observation_window if policy.needs_queries else 0,
-            query_dtype=vllm_config.model_config.dtype,
-            device=device,
-            max_head_pages=max_head_pages,
-            moment_correction=config.moment_correction,
-            moment_covariance=config.moment_covariance,
-        )
+        # The side buffers were allocated for --max-num-seqs rows when the
+        # worker reported its KV-cache specs, before vLLM sized the KV pool;
+        # adopt them (allocated here only where that did not happen).
+        layout = side_buffer_layout(config, kv_cache_spec, len(layer_names), num_q_heads, vllm_config)
+        self.state = adopt_worker_state(layout, device)
+        if self.global_eviction:
+            # log β sits beside every token slot of the pool, whose size vLLM
+            # decides by measuring memory, so it cannot come before that: it is
+            # allocated now, once the block count is known, before the pool.
+            num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
+            self.state.reserve_log_beta(num_blocks * len(layer_names), kv_cache_spec.block_size)
+        self.rule = dataclasses.replace(self.rule, on_fallback=self.state.record_fallback)
         self.observer = (
             PoisonFreedBlocks(kv_cache_spec.block_size, self.state.counters)
             if config.poisons_freed_blocks else StepObserver()
@@ -306,6 +297,38 @@ class EvictingBuilder:
         on_requests_finished(self.observer.requests_released)
         return True
 
+    def publish_attention_kernel(self, kernel: str) -> None:
+        """``kvevict_attention_kernel{kernel}`` 1 for the kernel that serves
+        this rank's evicting layers (vllm, cpp, torch or triton)."""
+        metrics = self.state.metrics
+        if metrics is not None:
+            metrics.get("kvevict_attention_kernel", rank=self.state.rank_label, kernel=kernel).set(1)
+            metrics.export(force=True)
+
+    def step_batch(self, cm: CommonAttentionMetadata) -> BatchContext | None:
+        """The requests of the step whose metadata is being built, or None
+        where nothing is evicted: eviction off, or one of vLLM's dummy and
+        profiling runs.
+
+        With eviction on, a real step must be planned: run without its plan,
+        attention would read blocks the scheduler has already freed. A step
+        whose requests cannot be known (the model runner's hook did not run,
+        or its batch is not the metadata's) stops the engine with the reason
+        rather than serve wrong text.
+        """
+        if self.config is None or building_dummy_run():
+            return None
+        batch = current_batch()
+        if batch is None or len(batch.req_ids) != cm.num_reqs:
+            found = "no batch" if batch is None else f"{len(batch.req_ids)} requests"
+            raise RuntimeError(
+                f"vllm-kvevict: attention metadata for {cm.num_reqs} requests was built with "
+                f"{found} from vLLM's model runner, so the step cannot be evicted as the "
+                "scheduler planned; this vLLM build calls its attention backend in a way "
+                "vllm-kvevict does not support (serve without --kv-eviction)"
+            )
+        return batch
+
     def segment_backend_data(
         self, cm: CommonAttentionMetadata, batch_index: int, first_token: int,
         start: int, end: int, frontier: int,
@@ -340,6 +363,8 @@ class EvictingBuilder:
             region = int(self.state.region_start[row]) if self.head_paged else 0
             region_starts.append(region)
             points = schedule.eviction_points_in_step(n_before, n_after, prompt_len)
+            if len(points) > 1:
+                self.state.counters.multi_point_steps += 1
             last_point = schedule.last_eviction_point(n_before, prompt_len)
             for k, point in enumerate(points):
                 frontier_after = schedule.frontier_at_point(point)
@@ -383,6 +408,7 @@ class EvictingBuilder:
                 ring_slots.append(row * window + positions % window)
 
         self.observer.step_planned()
+        _check_live_blocks(cm.block_table_tensor, frontier_before, seq_lens, schedule.block_size, batch.req_ids)
         device = self.state.device
         return EvictionStepPlan(
             rule=self.rule,
@@ -427,9 +453,6 @@ class EvictingImpl:
 
     def init_eviction(self) -> None:
         remember_worker_config()
-        # What this layer's policy reads from the model, found at first use.
-        self._rotary: RotaryFrequencies | None = None
-        self._output_projection: torch.Tensor | None = None
 
     # Backend hooks.
 
@@ -551,14 +574,10 @@ class EvictingImpl:
         queries = query_positions = None
         if policy.needs_queries:
             queries, query_positions = self._observation(plan, layer_index, ev, query)
-        if policy.needs_rotary and self._rotary is None:
-            self._rotary = rotary_frequencies(layer_neighbours(name), name, self.head_size)
-        if policy.needs_output_projection and self._output_projection is None:
-            self._output_projection = output_projection_slices(
-                layer_neighbours(name), name, self.num_heads, self.head_size
-            )
-        rotary = self._rotary if policy.needs_rotary else None
-        projection = self._output_projection if policy.needs_output_projection else None
+        rotary = projection = None
+        if policy.needs_rotary or policy.needs_output_projection:
+            parts = model_parts(name)  # looked up when the model was loaded
+            rotary, projection = parts.rotary, parts.output_projection
 
         def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:
             return ScoringInputs(
@@ -632,6 +651,31 @@ class EvictingImpl:
             )
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+
+
+def _check_live_blocks(
+    block_table: torch.Tensor, frontier: list[int], seq_lens: list[int], block_size: int,
+    req_ids: list[str],
+) -> None:
+    """Every block a request reads this step, from its frontier's block to its
+    last token's, must be a real block: vLLM's null block (id 0) there means
+    the scheduler freed what the worker is about to read (the two disagree on
+    the schedule). One comparison over the batch's block table."""
+    num_reqs = len(seq_lens)
+    if not num_reqs:
+        return
+    table = block_table[:num_reqs]
+    columns = torch.arange(table.shape[1], device=table.device)
+    first = torch.tensor(frontier, device=table.device) // block_size
+    end = (torch.tensor(seq_lens, device=table.device) + block_size - 1) // block_size
+    null = (table == 0) & (columns >= first[:, None]) & (columns < end[:, None])
+    if bool(null.any()):
+        request = req_ids[int(null.any(dim=1).nonzero()[0])]
+        raise RuntimeError(
+            f"vllm-kvevict: request {request} would read a block the scheduler freed (vLLM's "
+            "null block inside its live range): the scheduler and the worker disagree on the "
+            "eviction schedule; this is a bug in vllm-kvevict, please report it"
+        )
 
 
 def _tensor_parallel_layout() -> tuple[int, int]:

@@ -23,6 +23,7 @@ import torch
 from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
 from vllm_kvevict.policies.gate_checkpoints import GateCheckpointError, gates_for_model
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy, RetentionGates
+from vllm_kvevict.vllm_glue.layer_neighbours import resolve_model_parts
 
 # Decoder layers whose attention module is called as
 # ``self_attn(positions=..., hidden_states=input_layernorm(x))``, the gate's input.
@@ -145,8 +146,9 @@ _installed = False
 
 
 def install_model_load_hook() -> None:
-    """Hook the gates into the model right after the worker loads it, before
-    vLLM's profiling run compiles it."""
+    """Right after the worker loads the model, before vLLM's profiling run
+    compiles it: hook the gates in, and look up the model parts the policy
+    reads (:func:`~vllm_kvevict.vllm_glue.layer_neighbours.resolve_model_parts`)."""
     global _installed
     if _installed:
         return
@@ -168,6 +170,7 @@ def install_model_load_hook() -> None:
         def wrapped(self: Any, *args: Any, __load_model: Any = load_model, **kwargs: Any) -> Any:
             result = __load_model(self, *args, **kwargs)
             install_gate_capture(self.get_model(), self.vllm_config)
+            resolve_model_parts(self.get_model(), self.vllm_config)
             return result
 
         runner.load_model = wrapped

@@ -47,7 +47,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_kvevict import GPU_BACKEND_NAME
 from vllm_kvevict.vllm_glue.compat import check_gpu_backend_contract
 from vllm_kvevict.vllm_glue.eviction_step import EvictingBuilder, EvictionStepPlan, evicting_spec
-from vllm_kvevict.vllm_glue.runner_hooks import current_batch
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
 from vllm_kvevict.vllm_glue.triton_cache import write_new_tokens
 from vllm_kvevict.vllm_glue.triton_impl import TritonEvictingImpl
@@ -104,7 +103,8 @@ class KVEvictTritonMetadataBuilder(EvictingBuilder, TritonAttentionMetadataBuild
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.init_eviction(kv_cache_spec, layer_names, vllm_config, device, self.num_heads_q, "triton")
+        if self.init_eviction(kv_cache_spec, layer_names, vllm_config, device, self.num_heads_q, "triton"):
+            self.publish_attention_kernel("triton")
 
     def build(
         self,
@@ -113,9 +113,9 @@ class KVEvictTritonMetadataBuilder(EvictingBuilder, TritonAttentionMetadataBuild
         fast_build: bool = False,
     ) -> TritonAttentionMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        batch = current_batch()
         cm = common_attn_metadata
-        if self.config is None or batch is None or len(batch.req_ids) != cm.num_reqs:
+        batch = self.step_batch(cm)
+        if batch is None:
             return metadata  # eviction off, or one of vLLM's dummy/profiling runs
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return KVEvictTritonMetadata(**values, eviction=self.plan_step(cm, batch))

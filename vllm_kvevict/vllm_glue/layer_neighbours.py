@@ -5,8 +5,11 @@ output projection (criticalkv's ‖v W_O‖) and its rotary embedding
 vLLM's attention layer sees neither, so we find them beside it in the model
 vLLM loaded: a decoder's attention module holds ``attn`` (vLLM's
 ``Attention``), ``o_proj`` and ``rotary_emb`` (Llama, Mistral, Qwen2/3 and
-most others). A model laid out otherwise, or with a quantized output
-projection, gets an error naming the policy, not a wrong score.
+most others). They are looked up once, right after the worker loads the
+model (:func:`resolve_model_parts`), so a model laid out otherwise, with
+partial rotary, an RoPE scaling we do not model or an output projection we
+cannot read fails start-up with an error naming the policy, rather than
+passing ``/health`` and failing its first long request.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.config import KVEvictionConfigError
+from typing import Any
+
+from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
 from vllm_kvevict.policies import RotaryFrequencies
 
 
@@ -104,3 +109,47 @@ def rotary_frequencies(
             "another policy for this model"
         )
     return RotaryFrequencies(inv_freq, bool(rope.is_neox_style), scaling)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What the serving policy reads from the model beside one attention layer."""
+
+    rotary: RotaryFrequencies | None = None
+    output_projection: torch.Tensor | None = None  # [Hq_local, D, d_model] fp32
+
+
+_model_parts: dict[str, ModelParts] = {}
+
+
+def resolve_model_parts(model: torch.nn.Module, vllm_config: Any) -> None:
+    """After the worker loads the model: every attention layer's rotary
+    frequencies and output projection, where the eviction policy reads them.
+    Raises :class:`KVEvictionConfigError` for a model the policy cannot read."""
+    config = config_from_additional(vllm_config.additional_config)
+    if config is None:
+        return
+    policy = config.build_policy()
+    if not (policy.needs_rotary or policy.needs_output_projection):
+        return
+    model_config = vllm_config.model_config
+    head_size = model_config.get_head_size()
+    num_q_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+    for name, neighbours in find_layer_neighbours(model).items():
+        _model_parts[name] = ModelParts(
+            rotary_frequencies(neighbours, name, head_size) if policy.needs_rotary else None,
+            output_projection_slices(neighbours, name, num_q_heads, head_size)
+            if policy.needs_output_projection else None,
+        )
+
+
+def model_parts(layer_name: str) -> ModelParts:
+    """The parts :func:`resolve_model_parts` found beside ``layer_name``."""
+    parts = _model_parts.get(layer_name)
+    if parts is None:
+        raise RuntimeError(
+            f"vllm-kvevict: the model parts of attention layer {layer_name} were not looked up "
+            "when the model was loaded; this vLLM build loads models in a way vllm-kvevict "
+            "does not support"
+        )
+    return parts

@@ -24,8 +24,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_kvevict.vllm_glue.layer_neighbours import LayerNeighbours, find_layer_neighbours
-
 
 @dataclass(frozen=True)
 class BatchContext:
@@ -36,7 +34,8 @@ class BatchContext:
 
 
 _current: BatchContext | None = None
-_neighbours: dict[str, LayerNeighbours] | None = None
+# Whether attention metadata is being built now, and for a real step.
+_building: bool = False
 _finished_listeners: list[Callable[[set[str]], None]] = []
 _installed = False
 
@@ -46,10 +45,10 @@ def current_batch() -> BatchContext | None:
     return _current
 
 
-def layer_neighbours(layer_name: str) -> LayerNeighbours | None:
-    """The output projection and rotary embedding beside an attention layer
-    of the loaded model (found at the first real step)."""
-    return (_neighbours or {}).get(layer_name)
+def building_dummy_run() -> bool:
+    """Whether the metadata being built now is one of vLLM's dummy or
+    profiling runs (the model runner said so: no per-request token counts)."""
+    return _building and _current is None
 
 
 def on_requests_finished(listener: Callable[[set[str]], None]) -> None:
@@ -73,9 +72,7 @@ def install_runner_hooks() -> None:
 
     @functools.wraps(build_metadata)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _current, _neighbours
-        if _neighbours is None:
-            _neighbours = find_layer_neighbours(self.get_model())
+        global _current, _building
         num_reqs = kwargs.get("num_reqs", args[1] if len(args) > 1 else None)
         # Real steps pass the scheduler's per-request token counts; dummy and
         # profiling runs do not, and must never evict.
@@ -87,10 +84,11 @@ def install_runner_hooks() -> None:
             )
         else:
             _current = None
+        _building = True
         try:
             return build_metadata(self, *args, **kwargs)
         finally:
-            _current = None
+            _current, _building = None, False
 
     @functools.wraps(update_states)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
@@ -140,3 +138,31 @@ def install_runner_hooks() -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     _installed = True
+
+
+_side_buffers_hooked = False
+
+
+def install_side_buffer_hook() -> None:
+    """Allocate KV eviction's side buffers when the worker's model runner
+    reports its KV-cache specs: after the model is loaded and before vLLM
+    measures memory to size the KV pool (``determine_available_memory``), so
+    the pool is sized around them and a setting whose buffers do not fit
+    stops start-up (:mod:`~vllm_kvevict.vllm_glue.side_buffers`)."""
+    global _side_buffers_hooked
+    if _side_buffers_hooked:
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    get_kv_cache_spec = GPUModelRunner.get_kv_cache_spec
+
+    @functools.wraps(get_kv_cache_spec)
+    def _get_kv_cache_spec(self: Any) -> Any:
+        specs = get_kv_cache_spec(self)
+        from vllm_kvevict.vllm_glue.worker_state import preallocate_for_kv_cache_specs
+
+        preallocate_for_kv_cache_specs(specs, self.vllm_config, self.device)
+        return specs
+
+    GPUModelRunner.get_kv_cache_spec = _get_kv_cache_spec
+    _side_buffers_hooked = True
