@@ -106,26 +106,10 @@ def side_buffer_terms(
     }
 
 
-def side_buffer_bytes(
-    num_layers: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    head_dim: int,
-    rows: int,
-    retained_capacity: int,
-    query_window: int,
-    query_dtype: torch.dtype,
-    max_head_pages: int = 0,
-    moment_correction: bool = False,
-    moment_covariance: Covariance = "full",
-    pool_slots: int = 0,
-) -> int:
-    """Total bytes of one worker's side buffers (see :func:`side_buffer_terms`)."""
-    return sum(side_buffer_terms(
-        num_layers, num_kv_heads, num_q_heads, head_dim, rows, retained_capacity,
-        query_window, query_dtype, max_head_pages, moment_correction, moment_covariance,
-        pool_slots,
-    ).values())
+def side_buffer_bytes(*args: Any, **kwargs: Any) -> int:
+    """Total bytes of one worker's side buffers: the sum of
+    :func:`side_buffer_terms` (same arguments)."""
+    return sum(side_buffer_terms(*args, **kwargs).values())
 
 
 @dataclass(frozen=True)
