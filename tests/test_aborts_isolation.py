@@ -1,5 +1,9 @@
 """Aborts, disconnects and isolation against the shared `vllm serve --kv-eviction snapkv`.
 
+SnapKV with slots storage, over HTTP; aborts and isolation with head pages and
+pooled layers (and slots again, through the engine's own abort) are in
+test_preemption.py.
+
 The test session runs every engine with ``KVEVICT_POISON_FREED_BLOCKS=1``
 (see conftest): each block the plugin returns to vLLM's pool is filled with
 NaN, and every attention output is checked for NaN. A request that read a

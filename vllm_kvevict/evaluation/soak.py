@@ -5,10 +5,12 @@ prompts, streaming and not, completions and chat, some of them dropped at a
 random point (client disconnect), with more clients than the server runs
 requests at once and a KV pool smaller than their prompts. Then the server
 must go back to idle: every block back in vLLM's pool, every side-buffer row
-free. The resident memory of the server's processes is sampled throughout; the
-report compares the start (after warm-up) and the end.
+free. The resident memory of the server's processes is sampled every two
+seconds throughout; the report gives its least-squares slope after warm-up
+(MiB/s), and the start (after warm-up) and the end.
 
     kvevict soak --duration 600 --clients 12    # starts its own server
+    kvevict soak --duration 600 --no-eviction   # the same load without eviction
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ class SoakReport:
         quarter = max(1, len(samples) // 4)
         return statistics.median(samples[:quarter]), statistics.median(samples[-quarter:])
 
+    @property
+    def rss_slope_mib_per_s(self) -> float:
+        """Least-squares slope (MiB/s) of the server's RSS over the samples after warm-up."""
+        return _slope([(t, mib) for t, mib in self.rss_mib if t >= self.warmup_s])
+
+    def slope_by_process(self) -> dict[str, float]:
+        """The same slope for each process of the server's tree."""
+        series: dict[str, list[tuple[float, float]]] = {}
+        for t, usage in self.rss_by_process:
+            if t >= self.warmup_s:
+                for name, mib in usage.items():
+                    series.setdefault(name, []).append((t, mib))
+        return {name: _slope(points) for name, points in series.items()}
+
     def growth_by_process(self) -> dict[str, float]:
         """MiB each process gained between the first sample after warm-up and the last."""
         samples = [usage for t, usage in self.rss_by_process if t >= self.warmup_s]
@@ -84,6 +100,10 @@ class SoakReport:
             ("NaN attention outputs", str(sum(w.get("nan_outputs", 0) for w in self.idle_workers))),
             ("server RSS after warm-up (MiB)", f"{start:.0f}"),
             ("server RSS at the end (MiB)", f"{end:.0f}"),
+            ("server RSS slope after warm-up (MiB/s)", f"{self.rss_slope_mib_per_s:.3f}"),
+            ("  by process (MiB/s)", ", ".join(
+                f"{name} {slope:+.3f}" for name, slope in sorted(self.slope_by_process().items())
+            )),
             ("RSS growth per process (MiB)", ", ".join(
                 f"{name} {mib:+.0f}" for name, mib in sorted(self.growth_by_process().items())
             )),
@@ -95,6 +115,16 @@ class SoakReport:
             lines.append(f"LEAK: {self.leak}")
         lines += [f"FAILED: {line}" for line in self.failed[:20]]
         return "\n".join(lines)
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of ``(x, y)`` points; 0 for fewer than three."""
+    if len(points) < 3:
+        return 0.0
+    xs, ys = zip(*points)
+    if max(xs) == min(xs):
+        return 0.0
+    return statistics.linear_regression(xs, ys).slope
 
 
 def process_tree_rss_mib(pid: int) -> dict[str, float]:
@@ -209,8 +239,10 @@ def run_soak(
     warmup_s: float = 30.0,
     seed: int | None = None,
     idle_timeout_s: float = 60.0,
+    check_idle: bool = True,
 ) -> SoakReport:
-    """Drive ``server`` for ``duration_s`` seconds, then check it is back to idle."""
+    """Drive ``server`` for ``duration_s`` seconds, then check it is back to idle
+    (``check_idle``: a server without eviction has no counters to check)."""
     seed = random.randrange(2**32) if seed is None else seed
     report = SoakReport(duration_s=duration_s, clients=clients, warmup_s=warmup_s)
     start = time.monotonic()
@@ -238,6 +270,8 @@ def run_soak(
         thread.join()
     stop_sampling.set()
     sampler.join()
+    if not check_idle:
+        return report
     try:
         report.idle_stats, report.idle_workers = server.wait_idle(timeout=idle_timeout_s)
     except TimeoutError as exc:
@@ -255,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2)")
     parser.add_argument("--policy", default="snapkv")
     parser.add_argument("--config", default='{"budget": 512}', help="--kv-eviction-config")
+    parser.add_argument("--no-eviction", action="store_true",
+                        help="serve without eviction (the baseline of the server's memory)")
     parser.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks")
     parser.add_argument("--workdir", default="soak-run", help="server log and stats")
     args = parser.parse_args(argv)
@@ -267,27 +303,34 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server = soak_server(model, args.policy, args.config, args.pool_blocks, workdir)
+    policy = None if args.no_eviction else args.policy
+    server = soak_server(model, policy, args.config, args.pool_blocks, workdir)
     try:
         server.wait_ready()
-        report = run_soak(server, tokenizer, args.duration, args.clients, args.warmup)
+        report = run_soak(server, tokenizer, args.duration, args.clients, args.warmup,
+                          check_idle=policy is not None)
     finally:
         server.stop()
     print(report.table())
     (workdir / "report.json").write_text(json.dumps({
         "sent": report.sent, "failed": report.failed, "aborted": report.aborted,
         "rss_mib": report.rss_mib, "rss_by_process": report.rss_by_process,
+        "rss_slope_mib_per_s": report.rss_slope_mib_per_s,
         "idle_stats": report.idle_stats,
         "idle_workers": report.idle_workers, "leak": report.leak,
     }, indent=1))
     return 0 if not report.failed and not report.leak else 1
 
 
-def soak_server(model: str, policy: str, config: str, pool_blocks: int, workdir: Path) -> VllmServer:
-    """`vllm serve` of the default model with eviction and a small KV pool."""
+def soak_server(
+    model: str, policy: str | None, config: str, pool_blocks: int, workdir: Path
+) -> VllmServer:
+    """`vllm serve` of the default model with eviction (none if ``policy`` is
+    None) and a small KV pool."""
+    eviction = ["--kv-eviction", policy, "--kv-eviction-config", config] if policy else []
     return VllmServer(
         model,
-        ["--kv-eviction", policy, "--kv-eviction-config", config,
+        [*eviction,
          "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
          "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
          "--kv-cache-memory-bytes", str(pool_blocks * DEFAULT_MODEL_BLOCK_BYTES + 4096)],
