@@ -1,4 +1,4 @@
-"""The learned policy's serving pieces outside vLLM: its score against E21's
+"""The learned policy's serving pieces outside vLLM: its score against the lookahead score's ("Make Each Token Count", §4.2)
 closed form, the global allocation against brute force, the gate
 checkpoints (ours, the authors' format, the shipped ones), config rules,
 the log-β gather against a slot-by-slot loop, and the unsupported-model error."""
@@ -284,7 +284,7 @@ def test_the_capture_op_passes_its_input_through_and_keeps_log_beta() -> None:
 
 
 def test_constant_retention_is_a_uniform_sliding_window() -> None:
-    """Spec §9.4: one β for every token and stream makes the global top-B keep
+    """One β for every token and stream makes the global top-B keep
     each stream's most recent tokens, the same number in every stream."""
     streams, width, page, point = 6, 120, 8, 400
     positions = torch.sort(torch.randperm(point)[:width]).values.repeat(streams, 1)

@@ -141,7 +141,7 @@ def test_expected_attention_matches_monte_carlo_over_queries_and_positions():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_expected_attention_score_equals_loop_reference(seed):
-    """§2.2.10: per query head its own μ̄, Σ̄ from pre-RoPE queries (sinks out of
+    """Expected Attention's Listing 1, corrected: per query head its own μ̄, Σ̄ from pre-RoPE queries (sinks out of
     the statistics and the softmax), softmax per query head, mean over the
     group, then (â + ε)‖v‖; sinks always kept; padding never."""
     gen = torch.Generator().manual_seed(seed)

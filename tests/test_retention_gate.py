@@ -1,5 +1,5 @@
 """Retention gates and global top-B (learned global eviction, the policy side),
-against the spec's closed forms, explicit sums and brute force."""
+against the paper's closed forms, explicit sums and brute force."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_readout_is_one_module_for_every_layer_when_tied() -> None:
 
 
 @pytest.mark.parametrize("hidden, layers, heads, stored, unique", [
-    # The spec's table (§3.5): rg10, width 512, 8 KV heads.
+    # The authors' rg10 gate (the paper's §4.1): width 512, 8 KV heads.
     (1024, 28, 8, 22_163_680, 22_052_872),   # Qwen3-0.6B
     (2560, 36, 8, 56_807_712, 56_664_072),   # Qwen3-4B
 ])
@@ -56,7 +56,7 @@ def test_parameter_counts_match_the_specs_table(hidden, layers, heads, stored, u
 @pytest.mark.parametrize("beta", [0.5, 0.99, 1 - 1e-8])
 @pytest.mark.parametrize("horizon", [1, 2, 7])
 def test_lookahead_score_is_the_explicit_sum(beta: float, horizon: int) -> None:
-    """E21 against Σ_{k=1..H} β^(t + k - i), in fp64 logs (ages up to 1e6)."""
+    """The lookahead score (§4.2) in closed form against Σ_{k=1..H} β^(t + k - i), in fp64 logs (ages up to 1e6)."""
     positions = torch.tensor([0, 1, 10, 1000, 999_999], dtype=torch.int64)
     step = 1_000_000
     log_beta = torch.full((5,), math.log(beta), dtype=torch.float64)

@@ -1,5 +1,6 @@
-"""Training retention gates: the losses against explicit loops and the spec's
-formulas, the student against the teacher, and a loss that falls."""
+"""Training retention gates: the losses against explicit loops and the paper's
+formulas (the authors' training recipe), the student against the teacher, and
+a loss that falls."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ class KeyDiffPolicy(EvictionPolicy):
     *normalised* keys, which ranks exactly as the pairwise Eq. 7
     ``-Σ_j cos(k_i, k_j)`` (``Σ_j k̂_i·k̂_j = n ‖μ‖ cos(k_i, μ)``), as kvpress's
     ``KeyDiffPress`` does. ``anchor="raw"`` uses the mean of the raw keys, the
-    paper's other reading (§1.3.3 of the spec). Query-free, so it evicts after
+    paper's other reading (its text says the raw mean works equally). Query-free, so it evicts after
     every prefill chunk, the paper's block-wise setting.
     """
 

@@ -1,15 +1,15 @@
 """Learned global eviction: retention gates and one ranking across all layers
-and KV heads (DBTrimKV, "Make Each Token Count"; ../shared/specs/
-learned_global_eviction.md). The policy side only: the gate and its inference
+and KV heads (DBTrimKV, "Make Each Token Count": §2.2 token retention, §4.1
+gates, §4.2 global eviction). The policy side only: the gate and its inference
 score; the global selection is
 :func:`~vllm_kvevict.policies.allocation.global_top_b`. Nothing here knows vLLM.
 
 A small gate per layer reads the layer's normalised hidden state (the input of
 ``k_proj``) when a token's KV is written and predicts, per KV head, a retention
 ``β ∈ (0, 1)``: the chance that the token is still useful one step later, so
-``β^age`` at a later step (spec E17). It is computed once and kept (as log β)
+``β^age`` at a later step (the paper's §2.2). It is computed once and kept (as log β)
 with the entry. At an eviction, every cached (layer, head, token) gets the
-lookahead score of E21 and the ``B`` best across *all* layers and heads stay:
+lookahead score of the paper's §4.2 and the ``B`` best across *all* layers and heads stay:
 per-layer and per-head lengths are outputs, not inputs.
 
 The gate is the authors' ``rg10`` (the paper's §4.1): per layer
@@ -94,7 +94,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: int,
                         horizon: int = 1) -> torch.Tensor:
-    """log of E21: ``s = Σ_{k=1..horizon} β^(step + k - i)`` for a token at position
+    """log of the lookahead score ("Make Each Token Count", §4.2): ``s = Σ_{k=1..horizon} β^(step + k - i)`` for a token at position
     ``i`` with retention β, scored at step ``step`` (the position of the token
     being processed):
 
@@ -116,7 +116,7 @@ def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: i
 @dataclass
 class LearnedRetentionPolicy(EvictionPolicy):
     """Learned global eviction (DBTrimKV): a token's worth is its gate's
-    retention β raised to the age it will have (E21), one scale for every
+    retention β raised to the age it will have (the lookahead score, §4.2), one scale for every
     layer and KV head, so the budget is split by one global top-B
     (``head_budget: global``, :class:`~vllm_kvevict.policies.allocation.GlobalAllocation`).
 
@@ -124,7 +124,7 @@ class LearnedRetentionPolicy(EvictionPolicy):
         gates: a folder of gate weights, from ``kvevict train-gates`` (config.json
             + gates.pt) or the authors' (config.json + trimkv_weights.pth);
             None: the gates shipped for the model being served.
-        horizon: lookahead steps of E21 (the authors: 1 in their cache class,
+        horizon: lookahead steps of the score (§4.2; the authors: 1 in their cache class,
             2 in their lmms-eval runs).
         min_tokens_per_head: each (layer, KV head) keeps at least this many of
             its own best tokens (the authors' ``min_tokens_per_head``, 0).

@@ -3,7 +3,7 @@ the frozen model is the teacher; the same model with retention-gated attention
 is the student; only the gates learn.
 
 Student attention adds ``(q - i) · log β_i`` to the logit of query ``q`` on key
-``i`` (spec E5, the authors' FlexAttention form), so ``β^age`` softly evicts.
+``i`` (§2.2's retention-gated attention in the authors' FlexAttention form), so ``β^age`` softly evicts.
 The loss is the authors' ``fwkl_ntp`` plus the global capacity penalty:
 
     L = ½ (KL(p_teacher ‖ q_student) + CE(labels, q_student)) + λ · L_cap
