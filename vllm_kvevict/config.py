@@ -307,7 +307,10 @@ def _describe(error: ValidationError) -> str:
 
 
 def parse_config_source(source: str) -> dict[str, Any]:
-    """Read ``--kv-eviction-config``: inline JSON, or a path to a JSON/YAML file."""
+    """Read ``--kv-eviction-config``: inline JSON, a path to a JSON/YAML file, or a
+    config shipped with the package, by name (``snapkv``) or by its path in the
+    repository (``configs/snapkv.yaml``, found in an installed wheel too). A file
+    that exists wins over a shipped config of the same name."""
     text = source.strip()
     if text.startswith("{"):
         try:
@@ -319,10 +322,16 @@ def parse_config_source(source: str) -> dict[str, Any]:
             ) from None
     else:
         if not os.path.isfile(text):
-            raise KVEvictionConfigError(
-                f"--kv-eviction-config {text!r} is neither inline JSON nor an existing "
-                "file; pass a JSON object or a path to a .json/.yaml file"
-            )
+            from vllm_kvevict.paths import shipped_config, shipped_configs
+
+            shipped = shipped_config(text)
+            if shipped is None:
+                raise KVEvictionConfigError(
+                    f"--kv-eviction-config {text!r} is neither inline JSON nor an existing "
+                    "file nor a shipped config; pass a JSON object, a path to a .json/.yaml "
+                    f"file or a shipped config name ({', '.join(shipped_configs()) or 'none installed'})"
+                )
+            text = str(shipped)
         with open(text, encoding="utf-8") as handle:
             content = handle.read()
         try:
