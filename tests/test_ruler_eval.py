@@ -45,6 +45,7 @@ def test_the_budget_is_checked_per_length_before_any_server() -> None:
     runner.log = RecordLog.__new__(RecordLog)
     runner.log.records = {}
     runner.server_args = ""
+    runner.block_size = 32
     sample = RulerSample("niah_single_2", 0, "p", ["1"], 1000, 128, "string_match_all")
     with pytest.raises(ValueError, match="at 1024 tokens: budget 0 tokens is refused"):
         runner.run_one(parse_setting("snapkv@0.01"), 1024, [sample])

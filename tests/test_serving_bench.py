@@ -80,7 +80,7 @@ def test_plan_pool_reads_the_effective_flags() -> None:
     args = ["--dtype", "float32", "--block-size", "32"]
     assert plan_pool(SMOLLM2_CONFIG, args, 4000, 128) == (517, 762_351_616)
     assert plan_pool(SMOLLM2_CONFIG, args, 4000, 128, pool_blocks=100) == (100, 100 * 1_474_560 + 4096)
-    # --extra-server-args come after ours and win, as in vllm serve's parser.
+    # --server-args come after ours and win, as in vllm serve's parser.
     half = plan_pool(SMOLLM2_CONFIG, [*args, "--dtype=bfloat16"], 4000, 128, pool_blocks=100)
     assert half == (100, 100 * 737_280 + 4096)
     # An explicit memory size: the pool is what it buys.
@@ -96,7 +96,7 @@ def test_plan_pool_reads_the_effective_flags() -> None:
 def test_managed_servers_share_flags_and_differ_in_eviction(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     args = sb.build_parser().parse_args(
-        ["--max-tokens", "128", "--extra-server-args", "--max-num-seqs 7 --seed 3"])
+        ["--max-tokens", "128", "--server-args", "--max-num-seqs 7 --seed 3"])
     settings = [parse_setting("full"), parse_setting("snapkv@0.25")]
     plans = plan_managed(args, settings, str(tmp_path), {"w": 1}, [3990, 4000])
     full, snap = plans

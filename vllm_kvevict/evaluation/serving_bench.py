@@ -11,18 +11,18 @@ plugin's ``kvevict_blocks_held``). The report says how many requests ran at once
 how many tokens per second came out, the latency the clients saw (TTFT, ITL) and
 how many KV blocks were in use.
 
-Two modes:
+Each ``--setting`` is one of:
 
-* a server that already runs (``--url``; any vLLM, CPU or GPU, with or without
-  ``--kv-eviction``), named with ``--name``; runs against several servers into
-  the same ``--out`` are reported together, with ``x full`` ratios against the
-  one named ``full``;
+* a server that already runs (``--setting NAME=URL``; any vLLM, CPU or GPU,
+  with or without ``--kv-eviction``); runs against several servers into the
+  same ``--out`` are reported together, with ``x full`` ratios against the one
+  named ``full``;
 * managed (``--setting full --setting snapkv@0.25 ...``, see ``settings.py``):
   the tool starts one ``vllm serve`` per setting, one after another, all with
   the same KV pool (default: what 4 requests need in full) and the same flags,
   and a budget of FRACTION x the mean prompt for eviction settings.
 
-Both can be mixed (``--setting NAME=URL`` adds a running server).
+Both can be mixed.
 
 Outputs in ``--out``: ``results.md``, ``results.csv``, ``results.json`` (every
 request's timings and every metric sample; a setting already there with the
@@ -31,7 +31,9 @@ same parameters is not run again unless ``--force``), ``bench.png`` and
 
     kvevict bench                                   # full vs snapkv@0.25, default model
     kvevict bench --setting full --setting snapkv@0.25 --setting momentkv@0.5
-    kvevict bench --url http://gpu-host:8000 --name full --tokenizer MODEL
+    kvevict bench --setting full=http://gpu-host:8000 --tokenizer MODEL
+    kvevict bench --setting snapkv@0.25 --kv-eviction-config '{"prefill_mode": "per_chunk"}'
+    kvevict bench --setting full --setting snapkv@0.25 --server-args "--dtype bfloat16"
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ from vllm_kvevict.evaluation.settings import (
     FULL,
     ServingSetting,
     eviction_config,
-    parse_setting,
+    flag_value,
+    check_running_servers,
+    parse_settings,
     pyplot,
 )
 
@@ -121,18 +125,6 @@ def kv_cache_memory_bytes(pool_blocks: int, block_bytes: int) -> int:
     """``--kv-cache-memory-bytes`` for exactly ``pool_blocks`` blocks (vLLM floors the
     division; the 4 KiB slack keeps a rounding error from costing a block)."""
     return pool_blocks * block_bytes + 4096
-
-
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value of ``flag`` in a command line (``--x v`` or ``--x=v``), as
-    argparse sees it: later flags win, so extra server args override ours."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 # ---------------------------------------------------------------- metrics
@@ -769,7 +761,7 @@ def _read_model_config(model: str) -> dict[str, Any] | None:
 
 def managed_server_args(args: argparse.Namespace, max_model_len: int) -> list[str]:
     """The flags every managed server gets before eviction, pool size and
-    ``--extra-server-args`` (which come last, so they override these)."""
+    ``--server-args`` (which come last, so they override these)."""
     return [
         "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--max-num-seqs", str(args.max_num_seqs),
@@ -821,7 +813,7 @@ class PlannedRun:
 def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], model: str,
                  workload: dict[str, Any], lengths: Sequence[int]) -> list[PlannedRun]:
     """Every managed server's flags, with budgets and the pool checked up front."""
-    extra = shlex.split(args.extra_server_args or "")
+    extra = shlex.split(args.server_args or "")
     block_size = int(flag_value(extra, "--block-size") or args.block_size)
     longest, mean_prompt = max(lengths), float(np.mean(lengths))
     max_model_len = -(-(longest + args.max_tokens + 64) // block_size) * block_size
@@ -855,59 +847,66 @@ def _workload(args: argparse.Namespace, tokenizer_source: str) -> dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_kvevict.cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog="kvevict bench", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
     )
     target = parser.add_argument_group("what to benchmark")
-    target.add_argument("--url", default=None, help="a running OpenAI-compatible vLLM server")
-    target.add_argument("--name", default="server", help="its row's name with --url "
-                        "('full' makes it the reference of the x full ratios)")
     target.add_argument("--setting", action="append", default=[], metavar="SPEC",
-                        help="'full', 'CONFIG@FRACTION' (a policy, configs/NAME.yaml or a config "
-                        "path, kept at FRACTION of the prompt, e.g. snapkv@0.25), 'CONFIG@TOKENS' "
-                        "(a fixed budget): the tool serves these; or 'NAME=URL' (a running server); "
+                        help="'full', 'CONFIG@FRACTION' (a policy, a shipped config such as momentkv or "
+                        "adakv_snapkv, or a .yaml/.json config path, kept at FRACTION of the prompt, "
+                        "e.g. snapkv@0.25), 'CONFIG@TOKENS' "
+                        "(a fixed budget): the tool serves these; or 'NAME=URL' (a running server; "
+                        "the name 'full' makes it the reference of the x full ratios); "
                         f"repeatable (default: {' '.join(DEFAULT_SETTINGS)})")
+    target.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
+                        help="settings added to every eviction setting the tool serves, as "
+                        "vllm serve's --kv-eviction-config takes them (inline JSON, a .json/.yaml "
+                        "file or a shipped config's name; `kvevict policies` lists them), e.g. "
+                        "'{\"prefill_mode\": \"per_chunk\"}'; the budget comes from each setting")
     target.add_argument("--model", default=None,
                         help="model the managed servers serve (default: the embedded SmolLM2)")
     target.add_argument("--tokenizer", default=None,
                         help="tokenizer the prompts are sized with (default: --model, or the "
                         "served model's path)")
     load = parser.add_argument_group("workload")
-    load.add_argument("--requests", type=int, default=16)
+    load.add_argument("--requests", type=int, default=16, help="requests sent")
     load.add_argument("--prompt-tokens", type=int, default=4000, help="target prompt length")
     load.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     load.add_argument("--concurrency", type=int, default=None,
                       help="client threads (default: all requests at once)")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompts (keys, needle depths)")
     server = parser.add_argument_group("managed servers")
     server.add_argument("--pool-blocks", type=int, default=None,
                         help="KV pool in blocks, vLLM's null block included (default: what "
-                        "--pool-full-requests requests need in full); with --url, the pool of "
+                        "--pool-full-requests requests need in full); with NAME=URL, the pool of "
                         "that server (default: from vllm:cache_config_info)")
     server.add_argument("--pool-full-requests", type=int, default=4,
                         help="default pool: whole requests it holds without eviction")
     server.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="instead of sizing the pool from config.json")
-    server.add_argument("--eviction-config", default=None, metavar="JSON",
-                        help="extra eviction settings for every POLICY@FRACTION setting, e.g. "
-                        "'{\"prefill_mode\": \"per_chunk\"}' (budget comes from the fraction)")
-    server.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    server.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     server.add_argument("--max-num-seqs", type=int, default=64,
                         help="high, so that the KV pool, not vLLM, limits concurrency")
-    server.add_argument("--max-num-batched-tokens", type=int, default=512)
-    server.add_argument("--dtype", default="float32", help="(the CPU build's default here)")
-    server.add_argument("--extra-server-args", default="",
-                        help="more vllm serve flags, appended last (they override), e.g. for a GPU")
-    server.add_argument("--ready-timeout", type=float, default=900)
+    server.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="prefill chunk (tokens per engine step)")
+    server.add_argument("--dtype", default="float32", help="model dtype (the CPU build's)")
+    server.add_argument("--server-args", default="",
+                        help="more vllm serve flags as one string, appended last (they override), e.g. "
+                        "for a GPU: --server-args \"--dtype bfloat16 --gpu-memory-utilization 0.9\" "
+                        "(one flag alone: --server-args=--enforce-eager)")
+    server.add_argument("--ready-timeout", type=float, default=900,
+                        help="seconds a managed server may take to start")
     run = parser.add_argument_group("run")
-    run.add_argument("--out", type=Path, default=Path("kvevict-bench"))
+    run.add_argument("--out", type=Path, default=Path("kvevict-bench"), help="output folder")
     run.add_argument("--force", action="store_true", help="rerun settings already in results.json")
     run.add_argument("--sample-interval", type=float, default=0.25, help="seconds between scrapes")
-    run.add_argument("--request-timeout", type=float, default=3600)
+    run.add_argument("--request-timeout", type=float, default=3600, help="seconds per request")
     run.add_argument("--idle-timeout", type=float, default=300,
                      help="seconds to wait for the server to drain before and after")
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -918,22 +917,23 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     args.concurrency = args.concurrency or args.requests
-    eviction_extra: dict[str, Any] = {}
-    if args.eviction_config:
-        from vllm_kvevict.config import parse_config_source
-
-        eviction_extra = parse_config_source(args.eviction_config)
+    for flag in ("concurrency", "max_num_seqs", "max_num_batched_tokens", "pool_full_requests"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("sample_interval", "request_timeout", "idle_timeout", "ready_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
-        settings = [parse_setting(s, eviction_extra, args.block_size) for s in args.setting]
-        if args.url:
-            settings.append(ServingSetting(args.name, url=args.url.rstrip("/")))
-        settings = settings or [parse_setting(s, eviction_extra, args.block_size)
-                                for s in DEFAULT_SETTINGS]
+        extra = shlex.split(args.server_args)
     except ValueError as exc:
-        parser.error(str(exc))
-    names = [s.name for s in settings]
-    if len(set(names)) != len(names):
-        parser.error(f"settings must have distinct names: {names}")
+        parser.error(f"--server-args: {exc}; quote it as one shell string")
+    block_size = int(flag_value(extra, "--block-size") or args.block_size)
+    settings = parse_settings(parser, args.setting or list(DEFAULT_SETTINGS), args.kv_eviction_config,
+                              block_size)
+    check_running_servers(parser, settings)
+    if args.model is not None and not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: no such folder; give a local model folder "
+                     "(`kvevict fetch-model` converts the default one)")
 
     model = args.model
     if model is None and any(s.managed for s in settings):
@@ -942,7 +942,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(fetch_default_model())
     tokenizer_source = args.tokenizer or model
     if tokenizer_source is None:
-        _, root = served_model(next(s.url for s in settings if s.url))
+        url = next(s.url for s in settings if s.url)
+        _, root = served_model(url)
         if not root:
             parser.error("the server does not name its model's path: pass --tokenizer")
         tokenizer_source = root

@@ -1,21 +1,24 @@
-"""What `kvevict eval` and `kvevict bench` compare: serving settings.
+"""What `kvevict eval`, `bench` and `soak` serve: settings (``--setting SPEC``).
 
 A setting is the full cache (``full``), an eviction config kept at a fraction
-of the prompt or at a fixed budget (``snapkv@0.25``, ``configs/momentkv.yaml@0.5``,
-``tova@1024``; the tools start the server), or a server that already runs
-(``NAME=URL``). Budgets are checked with the plugin's own config rules before
+of the prompt or at a fixed budget (``snapkv@0.25``, ``momentkv@0.5``,
+``my-config.yaml@0.5``, ``tova@1024``; the tools start the server), or a
+server that already runs (``NAME=URL``). ``--kv-eviction-config`` adds the
+same options to every eviction setting. Budgets are checked with the plugin's own config rules before
 any server starts, so a setting vLLM would refuse fails at once, naming the fix.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 FULL = "full"
 DEFAULT_BLOCK_SIZE = 32
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -47,30 +50,51 @@ class ServingSetting:
 
 
 def resolve_config(name: str) -> dict[str, Any]:
-    """An eviction config by name: a .yaml/.json path, ``configs/NAME.yaml`` (in the
-    current directory or this repository), or the defaults of policy NAME."""
+    """An eviction config by name: a path to a .yaml/.json config, a config
+    shipped with the package (``kvevict policies`` and ``paths.shipped_configs``:
+    ``momentkv``, ``adakv_snapkv``, ...), or the defaults of policy NAME."""
     from vllm_kvevict.config import KVEvictionConfigError, parse_config_source
+    from vllm_kvevict.paths import shipped_config, shipped_configs
     from vllm_kvevict.policies import POLICIES
 
-    for path in (Path(name), Path("configs") / f"{name}.yaml", REPO_ROOT / "configs" / f"{name}.yaml"):
-        if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
-            data = parse_config_source(str(path))
-            if "policy" not in data:
-                raise KVEvictionConfigError(f"{path} names no policy; add `policy: NAME`")
-            return data
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml", ".json") and path.is_file()):
+        path = shipped_config(name)
+    if path is not None:
+        data = parse_config_source(str(path))
+        if "policy" not in data:
+            raise KVEvictionConfigError(f"{path} names no policy; add `policy: NAME`")
+        return data
     if name not in POLICIES:
         raise KVEvictionConfigError(
             f"unknown policy or config {name!r}: give a policy ({', '.join(sorted(POLICIES))}), "
-            "a configs/NAME.yaml name, or a path to a .yaml/.json config"
+            f"a shipped config ({', '.join(shipped_configs())}) or a path to a .yaml/.json config"
         )
     return {"policy": name}
+
+
+def eviction_options(source: str) -> dict[str, Any]:
+    """``--kv-eviction-config JSON|FILE|NAME`` of `kvevict eval`, `bench` and
+    `soak`: settings added to every eviction setting (inline JSON, a .json/.yaml
+    file, or the name of a shipped config); KVEvictionConfigError naming the fix."""
+    from vllm_kvevict.config import parse_config_source
+    from vllm_kvevict.paths import shipped_config
+
+    text = source.strip()
+    if not text.startswith("{") and not Path(text).is_file():
+        shipped = shipped_config(text)
+        if shipped is not None:
+            text = str(shipped)
+    return parse_config_source(text)
 
 
 def parse_setting(text: str, extra: dict[str, Any] | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE) -> ServingSetting:
     """``full``, ``NAME=URL``, ``CONFIG@FRACTION`` (0 < FRACTION <= 1) or
     ``CONFIG@TOKENS`` (a budget, a multiple of the block size). ``extra`` options
-    go into every eviction config (e.g. ``{"prefill_mode": "per_chunk"}``)."""
+    go into every eviction config (e.g. ``{"prefill_mode": "per_chunk"}``); the
+    setting gives the budget, and a policy in ``extra`` must be the setting's.
+    ValueError naming the fix for anything the plugin would refuse at any budget."""
     text = text.strip()
     if text == FULL:
         return ServingSetting(FULL)
@@ -82,7 +106,9 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     config, sep, amount_text = text.rpartition("@")
     if not sep or not config:
         raise ValueError(
-            f"setting {text!r}: expected 'full', 'NAME=URL' or 'POLICY@FRACTION' (e.g. snapkv@0.25)"
+            f"setting {text!r}: expected 'full', 'NAME=URL', 'CONFIG@FRACTION' or 'CONFIG@TOKENS'; "
+            f"add what it keeps, e.g. {config or text}@0.25 (a quarter of the prompt) or "
+            f"{config or text}@{16 * block_size} (tokens per KV head)"
         )
     try:
         amount = float(amount_text)
@@ -90,6 +116,8 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
         raise ValueError(f"setting {text!r}: {amount_text!r} is neither a kept fraction "
                          "nor a budget in tokens") from None
     fraction = budget = None
+    if not math.isfinite(amount):
+        amount = -1.0  # refused below
     if 0 < amount <= 1:
         fraction = amount
     elif amount > 1 and amount == int(amount) and int(amount) % block_size == 0:
@@ -97,7 +125,13 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     else:
         raise ValueError(f"setting {text!r}: give a kept fraction in (0, 1] or a budget in "
                          f"tokens that is a multiple of {block_size}")
-    eviction = {**resolve_config(config), **(extra or {})}
+    eviction = resolve_config(config)
+    extra = dict(extra or {})
+    if extra.get("policy", eviction["policy"]) != eviction["policy"]:
+        raise ValueError(f"setting {text!r} serves policy {eviction['policy']!r}, and "
+                         f"--kv-eviction-config names {extra['policy']!r}: drop its policy, "
+                         "or name that policy in the setting")
+    eviction = {**eviction, **extra}
     eviction.pop("budget", None)
     label = Path(config).stem if config.endswith((".yaml", ".yml", ".json")) else config
     setting = ServingSetting(f"{label}@{amount:g}", eviction=eviction, fraction=fraction,
@@ -111,6 +145,57 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
         if reason is not None:
             raise ValueError(f"setting {text!r}: {reason}")
     return setting
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` in a command line (``--x v`` or ``--x=v``), as
+    argparse sees it: later flags win, so extra server args override ours."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], options_source: str | None,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> list[ServingSetting]:
+    """The ``--setting`` specs of a command, with ``--kv-eviction-config``'s
+    options in every eviction setting, each checked as far as it can be before
+    the prompts exist; a mistake ends the command through ``parser.error``."""
+    try:
+        options = eviction_options(options_source) if options_source else {}
+        settings = [parse_setting(spec, options, block_size) for spec in specs]
+    except ValueError as exc:  # KVEvictionConfigError included
+        parser.error(str(exc))
+    if options_source and not any(s.eviction is not None for s in settings):
+        parser.error("--kv-eviction-config adds settings to eviction settings, and none is "
+                     "given (full and NAME=URL take none): add one, e.g. --setting snapkv@512, "
+                     "or drop --kv-eviction-config")
+    names = [s.name for s in settings]
+    if len(set(names)) != len(names):
+        parser.error(f"settings must have distinct names, got {', '.join(names)}: "
+                     "name running servers apart (NAME=URL)")
+    return settings
+
+
+def check_running_servers(parser: argparse.ArgumentParser, settings: Sequence[ServingSetting]) -> None:
+    """Every ``NAME=URL`` setting answers ``/v1/models``; else ``parser.error``."""
+    import requests
+
+    from vllm_kvevict.evaluation.server import served_model
+
+    for setting in settings:
+        if setting.url is None:
+            continue
+        try:
+            served_model(setting.url)
+        except (requests.RequestException, KeyError, IndexError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            parser.error(f"setting {setting.name}: {setting.url} does not answer /v1/models "
+                         f"({type(exc).__name__}: {reason[:200]}); start that server first or "
+                         "drop the setting")
 
 
 def _refusal(eviction: dict[str, Any], block_size: int) -> str | None:
@@ -145,9 +230,10 @@ def eviction_config(setting: ServingSetting, mean_prompt_tokens: float,
     if reason is not None:
         smallest = minimum_budget(setting.eviction, block_size)
         hint = f"; this config needs at least {smallest} tokens" if smallest else ""
+        fix = ("Give a budget the plugin accepts" if setting.fraction is None
+               else "Keep a larger fraction or use longer prompts")
         raise ValueError(
-            f"{context or setting.name}: budget {budget} tokens is refused ({reason}){hint}. "
-            "Keep a larger fraction or use longer prompts."
+            f"{context or setting.name}: budget {budget} tokens is refused ({reason}){hint}. {fix}."
         )
     return config
 

