@@ -37,6 +37,13 @@ Storage rule
     anyway, so the extra tokens cost no memory and keep the retained region
     block-aligned, which lets the stock paged kernels read it through a
     shifted block table.
+
+Per request
+    A request may ask for its own budget (at most the server's) or opt out
+    (``kv_eviction`` in its extra arguments, :class:`~vllm_kvevict.config.RequestEviction`).
+    Its schedule is the server's with that budget, or none (frontier 0, no
+    eviction point), built by :func:`~vllm_kvevict.config.request_schedule` from
+    the request's own arguments on both sides.
 """
 
 from __future__ import annotations

@@ -162,6 +162,31 @@ def check_core_contract() -> None:
 
     # Streaming-input requests are refused by keyword (request_guard).
     _require(InputProcessor, "process_inputs", ("self", "request_id", "prompt", "params", "resumable"))
+    check_request_settings_contract()
+
+
+def check_request_settings_contract() -> None:
+    """Per-request eviction settings: read from the processed request in the
+    front end, from the Request where vLLM's KV-cache manager allocates its
+    slots (spec.install_request_schedules), and admitted on the request's own
+    cap in the per-group manager's block count."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+
+    _require(KVCacheManager, "allocate_slots", ("self", "request", "num_new_tokens"))
+    _require(SingleTypeKVCacheManager, "get_num_blocks_to_allocate", ("self", "request_id", "num_tokens", "apply_admission_cap"))
+    _require(Request, "__init__", ("self", "request_id", "sampling_params"))
+    missing = [n for n in ("sampling_params", "prompt_token_ids") if n not in getattr(EngineCoreRequest, "__struct_fields__", ())]
+    if missing:
+        raise VLLMContractError(f"vLLM changed: EngineCoreRequest lost {', '.join(missing)}; {_UPGRADE_FIX}")
+    source = inspect.getsource(SingleTypeKVCacheManager.get_num_blocks_to_allocate)
+    if "self.max_admission_blocks_per_request" not in source:
+        raise VLLMContractError(
+            "vLLM changed: SingleTypeKVCacheManager.get_num_blocks_to_allocate no longer reads "
+            f"max_admission_blocks_per_request; {_UPGRADE_FIX}"
+        )
 
 
 def check_cpu_backend_contract() -> None:
@@ -200,6 +225,13 @@ def check_runner_contract(runner_cls: type) -> None:
     _require(runner_cls, "_update_states", ("self", "scheduler_output"))
     _require(runner_cls, "_sample", ("self", "logits", "spec_decode_metadata"))
     _require(runner_cls, "_bookkeeping_sync", ("self",))
+    # Each request's extra arguments: runner.requests[req_id].sampling_params.
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    if "sampling_params" not in getattr(CachedRequestState, "__dataclass_fields__", {}):
+        raise VLLMContractError(f"vLLM changed: CachedRequestState lost sampling_params; {_UPGRADE_FIX}")
+    if "self.requests: dict[str, CachedRequestState]" not in inspect.getsource(runner_cls.__init__):
+        raise VLLMContractError(f"vLLM changed: the model runner no longer keeps self.requests; {_UPGRADE_FIX}")
 
 
 def check_gpu_backend_contract() -> None:

@@ -341,8 +341,8 @@ class EvictingBuilder:
     def plan_step(
         self, cm: CommonAttentionMetadata, batch: BatchContext, backend_data: Any = None
     ) -> EvictionStepPlan:
-        """The step's eviction points, side-buffer rows and standard regions."""
-        schedule = self.schedule
+        """The step's eviction points, side-buffer rows and standard regions,
+        each request on its own schedule (:meth:`WorkerEvictionState.request_schedule`)."""
         query_start = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
         seq_lens = host_seq_lens(cm)
         window = self.state.query_window
@@ -356,9 +356,12 @@ class EvictingBuilder:
             prompt_len = int(batch.prompt_lens[i])
             n_after = seq_lens[i]
             n_before = n_after - (query_start[i + 1] - query_start[i])
+            row = self.state.row(req_id)
+            schedule = self.state.request_schedule(
+                req_id, self.schedule, batch.extra_args[i] if batch.extra_args else None
+            ) or _NEVER_EVICTS
             frontier = schedule.frontier(n_before, prompt_len)
             frontier_before.append(frontier)
-            row = self.state.row(req_id)
             rows.append(row)
             region = int(self.state.region_start[row]) if self.head_paged else 0
             region_starts.append(region)
@@ -408,13 +411,13 @@ class EvictingBuilder:
                 ring_slots.append(row * window + positions % window)
 
         self.observer.step_planned()
-        _check_live_blocks(cm.block_table_tensor, frontier_before, seq_lens, schedule.block_size, batch.req_ids)
+        _check_live_blocks(cm.block_table_tensor, frontier_before, seq_lens, self.schedule.block_size, batch.req_ids)
         device = self.state.device
         return EvictionStepPlan(
             rule=self.rule,
             storage=self.storage,
             kernel=self.kernel,
-            schedule=schedule,
+            schedule=self.schedule,
             state=self.state,
             observer=self.observer,
             layer_index=self.layer_index,
@@ -651,6 +654,26 @@ class EvictingImpl:
             )
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+
+
+class _NeverEvicts:
+    """The schedule of a request that opted out (``kv_eviction: "off"``): its
+    frontier stays at 0 and it reaches no eviction point."""
+
+    @staticmethod
+    def frontier(n: int, prompt_len: int) -> int:
+        return 0
+
+    @staticmethod
+    def eviction_points_in_step(n_before: int, n_after: int, prompt_len: int) -> list[int]:
+        return []
+
+    @staticmethod
+    def last_eviction_point(n: int, prompt_len: int) -> int:
+        return 0
+
+
+_NEVER_EVICTS = _NeverEvicts()
 
 
 def _check_live_blocks(

@@ -1,8 +1,11 @@
 """Worker side: which requests are in this step's batch.
 
 vLLM's attention metadata carries lengths and block tables but neither request
-ids nor prompt lengths. Both are needed: the prompt length places the eviction
-points, and the request id keys the per-request side buffers. The V1 model
+ids, prompt lengths nor sampling parameters. All are needed: the prompt length
+places the eviction points, the request id keys the per-request side buffers,
+and the request's extra arguments (``SamplingParams.extra_args``, which the
+model runner keeps from the request's first arrival, across preemption) carry
+its own eviction settings. The V1 model
 runner (the one vLLM's CPU platform uses) knows them; we wrap two of its
 methods to publish them, only in worker processes and only once.
 
@@ -19,7 +22,7 @@ the same text however its prompt was cut into steps.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -31,6 +34,8 @@ class BatchContext:
 
     req_ids: list[str]
     prompt_lens: np.ndarray
+    extra_args: list[dict[str, Any] | None] = field(default_factory=list)
+    """Each request's ``SamplingParams.extra_args`` (empty: none known)."""
 
 
 _current: BatchContext | None = None
@@ -78,9 +83,11 @@ def install_runner_hooks() -> None:
         # profiling runs do not, and must never evict.
         if kwargs.get("num_scheduled_tokens") is not None:
             batch = self.input_batch
+            req_ids = list(batch.req_ids[:num_reqs])
             _current = BatchContext(
-                req_ids=list(batch.req_ids[:num_reqs]),
+                req_ids=req_ids,
                 prompt_lens=batch.num_prompt_tokens[:num_reqs].copy(),
+                extra_args=[_extra_args(self.requests.get(req_id)) for req_id in req_ids],
             )
         else:
             _current = None
@@ -138,6 +145,13 @@ def install_runner_hooks() -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     _installed = True
+
+
+def _extra_args(state: Any) -> dict[str, Any] | None:
+    """A request's ``SamplingParams.extra_args`` from the model runner's
+    ``CachedRequestState`` (None for pooling requests and unknown ids)."""
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
 
 
 _side_buffers_hooked = False

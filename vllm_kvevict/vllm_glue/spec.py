@@ -7,10 +7,16 @@ engine core, whose ``KVCacheSpecRegistry`` then builds an
 blocks below the eviction frontier that the worker has compacted away, with
 vLLM's own null-block mechanism (as for sliding-window layers), and sizes
 admission to the budget instead of the full sequence.
+
+Each request follows its own schedule (:func:`~vllm_kvevict.config.request_schedule`:
+the server's, with the budget the request asked for, or none when it opted
+out), read from the request's extra arguments when vLLM allocates its slots
+(:func:`install_request_schedules`); the workers read the same arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -20,6 +26,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from vllm_kvevict.config import request_schedule
 from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
@@ -97,6 +104,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
 class RequestTrace:
     """What one request held and where its blocks were freed."""
 
+    budget: int | None = None  # the request's budget; None: kv_eviction "off"
     prompt_len: int = 0
     tokens: int = 0  # processed tokens at the last schedule
     retained: int = 0  # of which each KV head keeps (tokens - frontier)
@@ -141,12 +149,17 @@ class EvictionManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs: Any) -> None:
         self.schedule = kv_cache_spec.schedule
+        self.max_step_tokens = kv_cache_spec.max_step_tokens
+        # Each request's schedule (None: never evicted), from its first
+        # allocation until its blocks are freed.
+        self.request_schedules: dict[str, EvictionSchedule | None] = {}
         # vLLM passes an admission cap only to sliding-window-like specs; a
         # request of ours never holds more than this, so admit it on that basis
-        # (None in end_of_prompt mode: the whole prompt is held once).
-        kwargs["max_admission_blocks_per_request"] = self.schedule.max_blocks_per_request(
-            kv_cache_spec.max_step_tokens
-        )
+        # (None in end_of_prompt mode: the whole prompt is held once). A
+        # request with its own schedule is admitted on its own cap
+        # (get_num_blocks_to_allocate).
+        self.server_admission_blocks = self.schedule.max_blocks_per_request(self.max_step_tokens)
+        kwargs["max_admission_blocks_per_request"] = self.server_admission_blocks
         super().__init__(kv_cache_spec, **kwargs)
         self.stats = ManagerStats()
         labels = dict(kv_cache_spec.metric_labels) or {
@@ -158,6 +171,34 @@ class EvictionManager(FullAttentionManager):
         self._retained_tokens = 0
         self.snapshot = SnapshotWriter(os.environ.get(STATS_PATH_ENV))
         self._write_snapshot(force=True)
+
+    def track_request(self, request_id: str, extra_args: dict[str, Any] | None) -> None:
+        """Take the request's schedule from its extra arguments (once per
+        allocation of its blocks: again after a preemption freed them)."""
+        if request_id in self.request_schedules:
+            return
+        schedule = request_schedule(self.schedule, extra_args)
+        self.request_schedules[request_id] = schedule
+        trace = self.stats.live.setdefault(request_id, RequestTrace())
+        trace.budget = schedule.budget if schedule is not None else None
+
+    def schedule_of(self, request_id: str) -> EvictionSchedule | None:
+        """The request's schedule (None: never evicted); the server's for a
+        request allocated outside ``KVCacheManager.allocate_slots``."""
+        return self.request_schedules.get(request_id, self.schedule)
+
+    def admission_blocks(self, request_id: str) -> int | None:
+        """Most blocks the request holds at once (None: its whole sequence)."""
+        schedule = self.schedule_of(request_id)
+        return None if schedule is None else schedule.max_blocks_per_request(self.max_step_tokens)
+
+    def get_num_blocks_to_allocate(self, request_id: str, *args: Any, **kwargs: Any) -> int:
+        # vLLM reads the cap from this attribute; it is the request's own here.
+        self.max_admission_blocks_per_request = self.admission_blocks(request_id)
+        try:
+            return super().get_num_blocks_to_allocate(request_id, *args, **kwargs)
+        finally:
+            self.max_admission_blocks_per_request = self.server_admission_blocks
 
     def remove_skipped_blocks(
         self,
@@ -174,7 +215,8 @@ class EvictionManager(FullAttentionManager):
         trace.prompt_len = num_prompt_tokens
         if request_id not in self.req_to_blocks:
             return
-        frontier = self.schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        schedule = self.schedule_of(request_id)
+        frontier = 0 if schedule is None else schedule.frontier(processed_computed_tokens, num_prompt_tokens)
         self._logical_tokens += processed_computed_tokens - trace.tokens
         self._retained_tokens += processed_computed_tokens - frontier - trace.retained
         trace.tokens, trace.retained = processed_computed_tokens, processed_computed_tokens - frontier
@@ -214,6 +256,7 @@ class EvictionManager(FullAttentionManager):
             self._logical_tokens -= trace.tokens
             self._retained_tokens -= trace.retained
         super().free(request_id)
+        self.request_schedules.pop(request_id, None)
         self.stats.finish(request_id)
         self._account(None, force=True)
 
@@ -250,7 +293,7 @@ class EvictionManager(FullAttentionManager):
         data = self.stats.as_dict()
         data["num_blocks"] = self.block_pool.num_gpu_blocks
         data["free_blocks"] = self.block_pool.get_num_free_blocks()
-        data["max_admission_blocks_per_request"] = self.max_admission_blocks_per_request
+        data["max_admission_blocks_per_request"] = self.server_admission_blocks
         return data
 
 
@@ -278,6 +321,37 @@ def register_spec() -> None:
             f"vLLM's KVCacheSpecRegistry resolved EvictingAttentionSpec to {manager}; "
             "this vLLM version is not supported by vllm-kvevict"
         )
+    install_request_schedules()
+
+
+def install_request_schedules() -> None:
+    """Give every evicting manager the schedule of each request it allocates
+    for, from the request's extra arguments: vLLM's KV-cache manager sees the
+    request, its per-group managers only its id. Installed once per process."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    allocate_slots = KVCacheManager.allocate_slots
+    if getattr(allocate_slots, "_kvevict", False):
+        return
+
+    @functools.wraps(allocate_slots)
+    def _allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        managers = getattr(getattr(self, "coordinator", None), "single_type_managers", None)
+        if managers is None:
+            raise RuntimeError(
+                "vLLM changed: KVCacheManager.coordinator.single_type_managers is gone; "
+                "vllm-kvevict cannot give requests their own eviction schedules"
+            )
+        evicting = [m for m in managers if isinstance(m, EvictionManager)]
+        if evicting:
+            params = getattr(request, "sampling_params", None)
+            extra_args = getattr(params, "extra_args", None)
+            for manager in evicting:
+                manager.track_request(request.request_id, extra_args)
+        return allocate_slots(self, request, *args, **kwargs)
+
+    _allocate_slots._kvevict = True  # type: ignore[attr-defined]
+    KVCacheManager.allocate_slots = _allocate_slots
 
 
 def is_plain_full_attention(spec: AttentionSpec) -> bool:

@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kvevict.config import request_schedule
 from vllm_kvevict.eviction.moments import Covariance, EvictedMoments
 from vllm_kvevict.eviction.point import StreamRows
 from vllm_kvevict.metrics import ProcessMetrics
+from vllm_kvevict.schedule import EvictionSchedule
 from vllm_kvevict.vllm_glue.side_buffers import (
     LOG_BETA_DTYPE,
     PAGE_DTYPE,
@@ -120,6 +122,9 @@ class WorkerEvictionState:
         self.last_compaction: dict[str, dict] = {}
         self.recent_requests: list[dict] = []
         self.row_of: dict[str, int] = {}
+        # Each running request's schedule (None: never evicted), from its extra
+        # arguments; dropped with its row and rebuilt, the same, on resumption.
+        self.schedules: dict[str, EvictionSchedule | None] = {}
         self.num_rows = rows
         self.free_rows = list(range(rows - 1, -1, -1))
         self.positions = torch.empty(0, dtype=POSITION_DTYPE)
@@ -319,6 +324,15 @@ class WorkerEvictionState:
             self.write_snapshot()
         return row
 
+    def request_schedule(
+        self, req_id: str, server: EvictionSchedule, extra_args: dict[str, Any] | None
+    ) -> EvictionSchedule | None:
+        """The request's schedule (None: never evicted), as the scheduler's
+        manager computes it from the same extra arguments."""
+        if req_id not in self.schedules:
+            self.schedules[req_id] = request_schedule(server, extra_args)
+        return self.schedules[req_id]
+
     def release(self, req_ids: set[str]) -> None:
         """Requests that finished, were aborted or were preempted: free their rows."""
         for req_id in req_ids:
@@ -326,6 +340,7 @@ class WorkerEvictionState:
             if row is not None:
                 self.free_rows.append(row)
             self.retained_tokens.pop(req_id, None)
+            self.schedules.pop(req_id, None)
             compaction = self.last_compaction.pop(req_id, None)
             if compaction is not None:
                 self.recent_requests.append({"request_id": req_id, **compaction})
