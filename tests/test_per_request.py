@@ -1,8 +1,8 @@
 """Per-request eviction settings (``kv_eviction`` / ``kv_eviction_budget`` in a
 request's extra arguments): parsing and limits, the scheduler's per-request
 schedules and admission, the worker's, and end to end through the OpenAI API
-against ``vllm serve --kv-eviction snapkv`` (budget 256, default model): with
-slots storage, requests at budgets 64 and 256 and an opted-out one in one
+against the suite's shared ``vllm serve --kv-eviction snapkv`` (budget 512,
+default model): with slots storage, requests at budgets 64 and 256 and an opted-out one in one
 batch, each compared with the reference decoder at its own settings, and every
 refusal a 400; with head_pages storage (a second server), a request at budget
 96 and an opted-out one."""
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from helpers import SNAPKV_SERVER_CONFIG
 
 from vllm_kvevict.config import (
     KVEvictionConfigError,
@@ -253,32 +254,17 @@ def test_worker_keeps_each_requests_schedule_until_it_is_released():
     assert state.schedules == {}
 
 
-# --- end to end: one server, budgets 64 and 256 and "off" in one batch --------
+# --- end to end: the shared SnapKV server (budget 512), budgets 64 and 256 and "off" in one batch
 
-E2E_SERVER = {"policy": "snapkv", "budget": 256, "policy_options": {"kernel_size": 15}}
+E2E_SERVER = SNAPKV_SERVER_CONFIG
 E2E_POOL_BLOCKS = 160  # 5120 tokens: the three requests' whole sequences together
 E2E_MAX_TOKENS = 72
 
 
 @pytest.fixture(scope="module")
-def per_request_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    import os
-    from pathlib import Path
-
-    from helpers import VllmServer, eviction_server_args
-
-    work = tmp_path_factory.mktemp("per_request_server")
-    server = VllmServer(
-        model_dir, eviction_server_args(E2E_SERVER, E2E_POOL_BLOCKS),
-        stats_path=work / "stats.json", log_path=work / "server.log",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-        if os.environ.get("KVEVICT_SHOW_SERVER_LOG"):
-            print(Path(server.log_path).read_text())
+def per_request_server(snapkv_server):
+    """The suite's shared `vllm serve --kv-eviction snapkv` (budget 512)."""
+    return snapkv_server
 
 
 def _client(server):
@@ -321,7 +307,7 @@ def _expected_trace(prompt_len: int, budget: int | None, schedule: EvictionSched
 def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
     per_request_server, model_dir, tokenizer
 ):
-    """Budgets 64 and 256 (the server's, asked for explicitly) and "off", sent
+    """Budgets 64 and 256 (below the server's 512) and "off", sent
     at once: each request's blocks follow its own schedule, and its greedy
     output equals the reference decoder at its own settings (no eviction for
     "off")."""
@@ -364,7 +350,7 @@ def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
 @pytest.mark.parametrize(
     "xargs, message",
     [
-        ({"kv_eviction_budget": 512}, "kv_eviction budget 512 is above this server's budget 256"),
+        ({"kv_eviction_budget": 1024}, "kv_eviction budget 1024 is above this server's budget 512"),
         ({"kv_eviction_budget": 8}, "ask for a budget of at least 36"),
         ({"kv_eviction_budget": "64"}, "kv_eviction_budget must be a whole number of tokens, got '64'"),
         ({"kv_eviction": "sometimes"}, 'kv_eviction must be "off" or a mapping'),
@@ -385,7 +371,7 @@ def test_invalid_settings_are_a_400_and_the_server_serves_on(per_request_server,
 
 
 
-HEAD_PAGES_SERVER = {**E2E_SERVER, "head_budget": "adaptive", "moment_correction": True}
+HEAD_PAGES_SERVER = {**E2E_SERVER, "budget": 256, "head_budget": "adaptive", "moment_correction": True}
 
 
 @pytest.fixture(scope="module")
