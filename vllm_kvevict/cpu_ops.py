@@ -382,8 +382,9 @@ def load_cpu_ops() -> ModuleType | None:
             _status_reason = f"{type(exc).__name__}: {_reason(exc)}"
             logger.warning(
                 "vllm-kvevict: the C++ CPU attention kernel is unavailable (%s); using the "
-                "slower torch implementation. Fix the cause (a C++ compiler and ninja are "
-                "needed) and restart to retry the build",
+                "slower torch implementation. Fix the cause (a C++ compiler, ninja and the "
+                "Python headers, e.g. Debian's g++ and python3-dev, are needed) and restart "
+                "to retry the build",
                 _status_reason,
             )
         return _module

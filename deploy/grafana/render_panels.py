@@ -8,8 +8,7 @@ streaming, chat, client aborts) for --load-seconds, leaves the server idle for
 `vllm-kvevict-dashboard.json` through Prometheus's `/api/v1/query_range` and
 draws the panels with matplotlib at their gridPos:
 
-    KVEVICT_CACHE_DIR=/work/cache PYTHONSAFEPATH=1 \\
-        python deploy/grafana/render_panels.py --out docs/dashboard.png --load-seconds 150
+    PYTHONSAFEPATH=1 python deploy/grafana/render_panels.py --out docs/dashboard.png --load-seconds 150
 
 Needs `pip install -e .[docs]` (matplotlib) and a `prometheus` binary next to
 the Python interpreter or on PATH (`scripts/install_deploy_tools.sh`). The
