@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
+from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
 
 # Every engine this session starts (servers and offline LLMs inherit the
 # environment) runs in the isolation debug mode: blocks returned to vLLM's pool
@@ -46,3 +46,21 @@ def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         server.stop()
         if os.environ.get("KVEVICT_SHOW_SERVER_LOG"):
             print(Path(server.log_path).read_text())
+
+
+@pytest.fixture(scope="session")
+def head_pages_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """`vllm serve` with per-(layer, KV head) page tables (AdaKV + SnapKV, the
+    MomentKV correction), budget 512, shared by the e2e tests."""
+    work = tmp_path_factory.mktemp("head_pages_server")
+    server = VllmServer(
+        model_dir,
+        eviction_server_args(HEAD_PAGES_SERVER_CONFIG, SERVER_POOL_BLOCKS),
+        stats_path=work / "stats.json",
+        log_path=work / "server.log",
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

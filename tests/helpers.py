@@ -6,6 +6,9 @@ from vllm_kvevict.evaluation.tasks import needle_prompt  # noqa: F401
 # The shared test server's eviction settings (see configs/snapkv.yaml for why
 # kernel 15 on the default model).
 SNAPKV_SERVER_CONFIG = {"policy": "snapkv", "budget": 512, "policy_options": {"kernel_size": 15}}
+# The shared head_pages server's: AdaKV head budgets over SnapKV scores, with
+# the MomentKV correction.
+HEAD_PAGES_SERVER_CONFIG = {**SNAPKV_SERVER_CONFIG, "head_budget": "adaptive", "moment_correction": True}
 
 
 def eviction_server_args(config: dict, pool_blocks: int) -> list[str]:

@@ -13,35 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from helpers import VllmServer, eviction_server_args, needle_prompt
+from helpers import HEAD_PAGES_SERVER_CONFIG, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
-HEAD_PAGES_CONFIG = {
-    "policy": "snapkv",
-    "budget": 512,
-    "policy_options": {"kernel_size": 15},
-    "head_budget": "adaptive",
-    "moment_correction": True,
-}
-POOL_BLOCKS = 160
+HEAD_PAGES_CONFIG = HEAD_PAGES_SERVER_CONFIG  # the shared head_pages_server's (conftest.py)
+POOL_BLOCKS = 160  # the shared server's pool (conftest.SERVER_POOL_BLOCKS)
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def head_pages_server(model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("head_pages_server")
-    server = VllmServer(
-        model_dir,
-        eviction_server_args(HEAD_PAGES_CONFIG, POOL_BLOCKS),
-        stats_path=work / "stats.json",
-        log_path=work / "server.log",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def _client(server) -> OpenAI:

@@ -4,7 +4,7 @@ schedules and admission, the worker's, and end to end through the OpenAI API
 against the suite's shared ``vllm serve --kv-eviction snapkv`` (budget 512,
 default model): with slots storage, requests at budgets 64 and 256 and an opted-out one in one
 batch, each compared with the reference decoder at its own settings, and every
-refusal a 400; with head_pages storage (a second server), a request at budget
+refusal a 400; with head_pages storage (the shared head_pages server), a request at budget
 96 and an opted-out one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from helpers import SNAPKV_SERVER_CONFIG
+from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG
 
 from vllm_kvevict.config import (
     KVEvictionConfigError,
@@ -283,6 +283,21 @@ def _complete(server, prompt_ids: list[int], xargs: dict | None) -> list[int]:
     return list(reply.choices[0].token_ids)
 
 
+def _prompts_of_distinct_lengths(tokenizer, rng: random.Random, names: list[str]) -> dict[str, list[int]]:
+    """Random needle prompts of 900 to 1400 tokens, no two of the same length:
+    the manager's traces are told apart by prompt length."""
+    from helpers import needle_prompt
+
+    prompts: dict[str, list[int]] = {}
+    while len(prompts) < len(names):
+        ids = tokenizer(needle_prompt(
+            tokenizer, rng.randint(10_000, 99_999), target_tokens=rng.randint(900, 1400)
+        )).input_ids
+        if all(len(ids) != len(other) for other in prompts.values()):
+            prompts[names[len(prompts)]] = ids
+    return prompts
+
+
 def _expected_trace(prompt_len: int, budget: int | None, schedule: EvictionSchedule) -> dict:
     """What the manager must record for a request prefilled in any chunks and
     decoded one token a step: every block it holds, brute force from the
@@ -311,8 +326,6 @@ def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
     at once: each request's blocks follow its own schedule, and its greedy
     output equals the reference decoder at its own settings (no eviction for
     "off")."""
-    from helpers import needle_prompt
-
     from vllm_kvevict.reference import ReferenceEvictingDecoder
 
     rng = random.Random()
@@ -321,10 +334,7 @@ def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
         "server": ({"kv_eviction_budget": 256}, 256),
         "off": ({"kv_eviction": "off"}, None),
     }
-    prompts = {
-        name: tokenizer(needle_prompt(tokenizer, rng.randint(10_000, 99_999), target_tokens=rng.randint(900, 1400))).input_ids
-        for name in cases
-    }
+    prompts = _prompts_of_distinct_lengths(tokenizer, rng, list(cases))
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(_complete, per_request_server, prompts[name], xargs) for name, (xargs, _) in cases.items()}
         served = {name: future.result() for name, future in futures.items()}
@@ -371,23 +381,13 @@ def test_invalid_settings_are_a_400_and_the_server_serves_on(per_request_server,
 
 
 
-HEAD_PAGES_SERVER = {**E2E_SERVER, "budget": 256, "head_budget": "adaptive", "moment_correction": True}
+HEAD_PAGES_SERVER = HEAD_PAGES_SERVER_CONFIG
 
 
 @pytest.fixture(scope="module")
-def head_pages_per_request_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    from helpers import VllmServer, eviction_server_args
-
-    work = tmp_path_factory.mktemp("head_pages_per_request_server")
-    server = VllmServer(
-        model_dir, eviction_server_args(HEAD_PAGES_SERVER, E2E_POOL_BLOCKS),
-        stats_path=work / "stats.json", log_path=work / "server.log",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+def head_pages_per_request_server(head_pages_server):
+    """The suite's shared head_pages server (AdaKV + SnapKV, the MomentKV correction, budget 512)."""
+    return head_pages_server
 
 
 @pytest.mark.e2e
@@ -397,17 +397,12 @@ def test_head_pages_serve_a_budget_and_an_opted_out_request_in_one_batch(
     """With per-head page tables (AdaKV + the MomentKV correction) a request at
     budget 96 and an opted-out one, sent at once, each equal the reference
     decoder at its own settings; the opted-out one frees nothing."""
-    from helpers import needle_prompt
-
     from vllm_kvevict.reference import ReferenceEvictingDecoder
 
     server = head_pages_per_request_server
     rng = random.Random()
     cases = {"small": ({"kv_eviction_budget": 96}, 96), "off": ({"kv_eviction": "off"}, None)}
-    prompts = {
-        name: tokenizer(needle_prompt(tokenizer, rng.randint(10_000, 99_999), target_tokens=rng.randint(900, 1400))).input_ids
-        for name in cases
-    }
+    prompts = _prompts_of_distinct_lengths(tokenizer, rng, list(cases))
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(_complete, server, prompts[name], xargs) for name, (xargs, _) in cases.items()}
         served = {name: future.result() for name, future in futures.items()}
