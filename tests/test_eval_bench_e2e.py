@@ -42,6 +42,14 @@ def test_bench_against_a_running_server_times_every_token_and_resumes(snapkv_ser
     assert result["blocks_held_peak"] >= 1 and result["preemptions"] == 0
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
     assert result["output_throughput"] == pytest.approx(48 / result["wall_s"])
+    assert result["request_throughput"] == pytest.approx(3 / result["wall_s"])
+    # kvevict_eviction_seconds over this run: each request evicts once, at the
+    # end of its prompt (budget 512 < 1500), in one to three steps.
+    assert 1 <= result["eviction_steps"] <= 3 and result["eviction_seconds"] > 0
+    assert 0 < result["eviction_p50_ms"] <= result["eviction_p99_ms"]
+    histogram = run["eviction_histogram"]
+    assert histogram["buckets"][-1] == ["+Inf", result["eviction_steps"]]
+    assert histogram["sum"] == result["eviction_seconds"]
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["name"] for r in rows] == ["snap"]
     # A second run with the same parameters sends nothing.

@@ -11,12 +11,20 @@ import random
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
 from vllm_kvevict.evaluation import serving_bench as sb
+from vllm_kvevict.evaluation.server import parse_metrics
 from vllm_kvevict.evaluation.serving_bench import (
     BenchResult,
+    HistogramDelta,
     MetricSample,
     RequestRecord,
     ResultStore,
@@ -25,6 +33,9 @@ from vllm_kvevict.evaluation.serving_bench import (
     distribute_tokens,
     dtype_bytes,
     flag_value,
+    histogram_delta,
+    histogram_from_exposition,
+    histogram_quantile,
     info_labels,
     inter_token_latencies,
     kv_block_bytes,
@@ -37,13 +48,22 @@ from vllm_kvevict.evaluation.serving_bench import (
     plot_timeline,
     pool_blocks_from_exposition,
     ratios_vs_full,
+    ratios_vs_unbounded,
     results_csv,
     sample_from_values,
     summarize_run,
     summarize_samples,
+    unbounded_pool_blocks,
 )
-from vllm_kvevict.evaluation.server import parse_metrics
-from vllm_kvevict.evaluation.settings import FULL, parse_setting
+from vllm_kvevict.evaluation.settings import (
+    FULL,
+    FULL_UNBOUNDED,
+    ServingSetting,
+    eviction_config,
+    parse_setting,
+    parse_settings,
+)
+from vllm_kvevict.metrics import LATENCY_BUCKETS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # SmolLM2-135M (the default model): 30 layers, 9 query / 3 KV heads of 64, fp32.
@@ -120,6 +140,63 @@ def test_managed_servers_share_flags_and_differ_in_eviction(tmp_path) -> None:
     assert plan_managed(small, settings[1:], str(tmp_path), {}, [4000])[0].pool_blocks == 100
 
 
+def test_the_unbounded_pool_holds_every_request_in_full() -> None:
+    # 16 requests of (4000 + 128) / 32 = 129 blocks, + the null block.
+    assert unbounded_pool_blocks(4000, 128, 16) == 16 * 129 + 1 == 2065
+    assert unbounded_pool_blocks(4000, 128, 16) == default_pool_blocks(4000, 128, full_requests=16)
+    assert unbounded_pool_blocks(4000, 96, 3, block_size=16) == 3 * 256 + 1
+    assert unbounded_pool_blocks(10, 1, 1) == 2  # one block and the null block
+
+
+def test_full_unbounded_is_the_full_cache_in_its_own_pool(tmp_path, capsys) -> None:
+    setting = parse_setting(" full-unbounded ")
+    assert setting == ServingSetting(FULL_UNBOUNDED, unbounded=True)
+    assert setting.managed and setting.policy is None and eviction_config(setting, 4000) is None
+    assert not parse_setting("full").unbounded
+    assert parse_setting(f"{FULL_UNBOUNDED}=http://h:1").unbounded is False  # a running server
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    args = sb.build_parser().parse_args(["--requests", "16", "--max-tokens", "128",
+                                         "--server-args", "--seed 3"])
+    settings = [parse_setting(FULL_UNBOUNDED), parse_setting(FULL), parse_setting("snapkv@0.25")]
+    unbounded, full, snap = plan_managed(args, settings, str(tmp_path), {"w": 1}, [3990, 4000])
+    assert unbounded.pool_blocks == 2065 and full.pool_blocks == snap.pool_blocks == 517
+    assert flag_value(unbounded.server_args, "--kv-cache-memory-bytes") == str(2065 * 1_474_560 + 4096)
+    assert flag_value(full.server_args, "--kv-cache-memory-bytes") == "762351616"
+    assert unbounded.budget is None and "--kv-eviction" not in unbounded.server_args
+    # Apart from the pool, the same flags as the full cache's.
+    pool_flag = unbounded.server_args.index("--kv-cache-memory-bytes")
+    assert (unbounded.server_args[:pool_flag] + unbounded.server_args[pool_flag + 2:]
+            == full.server_args[:pool_flag] + full.server_args[pool_flag + 2:])
+    assert unbounded.params != full.params
+    # Resumed like the others: same parameters, no rerun.
+    store = ResultStore(tmp_path / "results.json")
+    load = sb.LoadRun([_record(0, 0.0, [1.0, 2.0], [1, 1])], [], 0.0, 2065)
+    store.put(FULL_UNBOUNDED, unbounded.params, _result(FULL_UNBOUNDED, None, 2.0, 1.0, 2065), load)
+    assert ResultStore(tmp_path / "results.json").get(FULL_UNBOUNDED, unbounded.params) is not None
+    assert ResultStore(tmp_path / "results.json").get(FULL_UNBOUNDED, full.params) is None
+    # A bounded pool below one request refuses 'full' only, never full-unbounded.
+    small = sb.build_parser().parse_args(["--pool-blocks", "100", "--requests", "4"])
+    wide, snap_small = plan_managed(small, [settings[0], settings[2]], str(tmp_path), {}, [4000])
+    assert wide.pool_blocks == 4 * 129 + 1 and snap_small.pool_blocks == 100
+    # A memory size for every server would override the unbounded pool.
+    fixed = sb.build_parser().parse_args(["--server-args", "--kv-cache-memory-bytes 5000000"])
+    with pytest.raises(ValueError, match="sizes its own pool"):
+        plan_managed(fixed, settings[:1], str(tmp_path), {}, [4000])
+    assert plan_managed(fixed, settings[2:], str(tmp_path), {}, [4000])[0].pool_blocks == 3
+
+    # bench takes it; commands that size no pool per request refuse it in one line.
+    parser = sb.build_parser()
+    assert parse_settings(parser, [FULL_UNBOUNDED, FULL], None, unbounded=True)[0].unbounded
+    with pytest.raises(SystemExit):
+        parse_settings(parser, [FULL_UNBOUNDED], None)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "full-unbounded is a `kvevict bench` setting" in error and "give 'full'" in error
+    with pytest.raises(SystemExit):
+        parse_settings(parser, [FULL_UNBOUNDED, FULL_UNBOUNDED], None, unbounded=True)
+    assert "distinct names" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- statistics
 
 
@@ -193,6 +270,7 @@ def test_a_run_summary_from_records_and_samples() -> None:
     assert result.completion_tokens == 8 and result.prompt_tokens == 200
     assert result.output_throughput == pytest.approx(8 / 2.7)
     assert result.total_throughput == pytest.approx(208 / 2.7)
+    assert result.request_throughput == pytest.approx(2 / 2.7)  # completed requests only
     ttft = [1.0, 2.0]
     itl = [0.1, 0.2, 0.3, 0.5, 0.2]
     assert result.ttft_p50_ms == pytest.approx(np.percentile(ttft, 50) * 1000)
@@ -260,6 +338,122 @@ def test_metric_parsing_sums_label_sets_and_names_counters_with_total() -> None:
         "vllm:num_preemptions_total")
 
 
+def _bucketed(values, bounds=LATENCY_BUCKETS) -> list[tuple[float, float]]:
+    """Cumulative counts of ``values`` in buckets ``le`` = bounds and +Inf."""
+    data = np.asarray(values, dtype=float)
+    return [(b, float((data <= b).sum())) for b in (*bounds, float("inf"))]
+
+
+def _spread_quantile(q: float, values: np.ndarray, bounds=LATENCY_BUCKETS) -> float:
+    """Brute force from the observations themselves: the CDF that spreads each
+    bucket's observations evenly over it, F(x) = #(values <= lower) + #(values
+    in the bucket) x (x - lower) / (upper - lower), and the smallest x with
+    F(x) >= q x n, found by bisection (the observations below the top bound)."""
+    edges = np.asarray([0.0, *bounds])
+
+    def cdf(x: float) -> float:
+        i = int(np.searchsorted(edges, x, side="left"))  # x in (edges[i - 1], edges[i]]
+        lower, upper = edges[max(i - 1, 0)], edges[max(i, 1)]
+        inside = ((values > lower) & (values <= upper)).sum()
+        return float((values <= lower).sum() + inside * (x - lower) / (upper - lower))
+
+    rank, lo, hi = q * len(values), 0.0, float(edges[-1])
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if cdf(mid) >= rank else (mid, hi)
+    return hi
+
+
+def test_histogram_quantile_by_hand() -> None:
+    inf = float("inf")
+    # 10 observations: 4 in (0, 1], 6 in (1, 3]; p50 is rank 5, the first of
+    # (1, 3]'s six: 1 + 2 x 1/6.
+    buckets = [(1.0, 4.0), (3.0, 10.0), (inf, 10.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(1 + 2 / 6)
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.5)  # rank 2 of 4 in (0, 1]
+    assert histogram_quantile(0.4, buckets) == pytest.approx(1.0)  # rank 4: the bucket's top
+    assert histogram_quantile(1.0, buckets) == pytest.approx(3.0)
+    assert histogram_quantile(0.0, buckets) == 0.0
+    # Bounds in any order; an empty middle bucket is skipped.
+    assert histogram_quantile(0.75, [(inf, 4.0), (4.0, 4.0), (2.0, 2.0), (1.0, 2.0)]) == pytest.approx(3.0)
+    assert histogram_quantile(0.0, [(1.0, 0.0), (2.0, 2.0), (inf, 2.0)]) == 1.0  # the lowest non-empty
+    # Ranks in +Inf: the highest finite bound, as Prometheus answers.
+    assert histogram_quantile(0.99, [(1.0, 1.0), (2.0, 2.0), (inf, 10.0)]) == 2.0
+    assert histogram_quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None  # no observations
+    with pytest.raises(ValueError, match="Inf"):
+        histogram_quantile(0.5, [(1.0, 3.0)])
+    with pytest.raises(ValueError, match="outside"):
+        histogram_quantile(1.5, buckets)
+
+
+def test_histogram_quantile_matches_brute_force_on_bucketed_observations() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        n = int(rng.integers(1, 400))
+        # Eviction-like seconds: log-normal around 1-50 ms, below the top bound 2.5 s.
+        values = np.minimum(rng.lognormal(np.log(rng.uniform(0.001, 0.05)), 1.0, size=n), 2.4)
+        buckets = _bucketed(values)
+        for q in (0.01, 0.25, 0.5, 0.9, 0.99, 1.0, float(rng.uniform())):
+            estimate = histogram_quantile(q, buckets)
+            assert estimate == pytest.approx(_spread_quantile(q, values), rel=1e-9, abs=1e-12), (trial, q)
+            # The estimate lies in the bucket of the observation at rank ceil(q n).
+            true = np.sort(values)[max(int(np.ceil(q * n)) - 1, 0)]
+            upper = next(b for b in LATENCY_BUCKETS if true <= b)
+            lower = max([0.0, *(b for b in LATENCY_BUCKETS if b < true)])
+            assert lower - 1e-12 <= estimate <= upper + 1e-12, (trial, q)
+
+
+def test_eviction_histogram_over_a_run_from_two_scrapes() -> None:
+    """kvevict_eviction_seconds as the plugin exposes it, read before and after."""
+    registry = CollectorRegistry()
+    seconds = Histogram("kvevict_eviction_seconds", "eviction", ["model_name", "engine", "policy"],
+                        buckets=LATENCY_BUCKETS, registry=registry)
+    earlier = [0.0004, 0.3, 0.3]  # before the load: not counted
+    during = [0.002, 0.003, 0.004, 0.012, 0.02, 0.03, 0.04, 0.6, 5.0]
+    for value in earlier:
+        seconds.labels("smollm2", "0", "snapkv").observe(value)
+    before = histogram_from_exposition(generate_latest(registry).decode(), "kvevict_eviction_seconds")
+    for i, value in enumerate(during):
+        seconds.labels("smollm2", str(i % 2), "snapkv").observe(value)  # two engines: summed
+    after = histogram_from_exposition(generate_latest(registry).decode(), "kvevict_eviction_seconds")
+    run = histogram_delta(before, after)
+    assert run.buckets == _bucketed(during)
+    assert run.count == 9 and run.sum == pytest.approx(sum(during))
+    # p50: rank 4.5 of 9; 3 observations up to 0.01, 2 in (0.01, 0.025]: 0.01 + 0.015 x 1.5 / 2.
+    assert histogram_quantile(0.5, run.buckets) == pytest.approx(0.02125)
+    assert histogram_quantile(0.99, run.buckets) == 2.5  # rank 8.91 lies in +Inf
+    summary = summarize_run("snapkv@0.25", 0.25, 992, [_record(0, 0.0, [1.0, 2.0], [1, 1])], [],
+                            0.0, 517, run)
+    assert summary.eviction_steps == 9 and summary.eviction_seconds == pytest.approx(sum(during))
+    assert summary.eviction_p50_ms == pytest.approx(21.25) and summary.eviction_p99_ms == 2500.0
+    assert summarize_run(FULL, None, None, [], [], None, None).eviction_p50_ms is None
+    # Born during the run: from 0. Absent at the end, or gone down (a restart): unknown.
+    assert histogram_delta(None, after) == after and histogram_delta(before, None) is None
+    assert histogram_delta(after, before) is None
+    assert histogram_delta(HistogramDelta([(1.0, 0.0), (float("inf"), 0.0)], 0.0), after) is None
+    assert histogram_from_exposition(_exposition(), "kvevict_eviction_seconds") is None
+    kept = histogram_from_exposition(_exposition(), "kvevict_head_retained_tokens")
+    assert kept.buckets == [(256.0, 1.0), (1024.0, 2.0), (float("inf"), 3.0)] and kept.sum == 2400.0
+
+
+def test_the_histogram_after_the_run_is_read_once_it_stops_changing(monkeypatch) -> None:
+    registry = CollectorRegistry()
+    seconds = Histogram("kvevict_eviction_seconds", "eviction", ["engine"], buckets=(0.01, 0.1),
+                        registry=registry)
+    texts = []
+    for value in (0.005, 0.05, None, None):  # a worker's last export lands after the first scrape
+        if value is not None:
+            seconds.labels("0").observe(value)
+        texts.append(generate_latest(registry).decode())
+    scrapes = iter(texts)
+    monkeypatch.setattr(sb, "scrape", lambda url: next(scrapes))
+    settled = sb.settled_histogram("http://h", "kvevict_eviction_seconds", pause=0)
+    assert settled.count == 2 and settled.sum == pytest.approx(0.055)
+    assert next(scrapes) == texts[3]  # three scrapes: 1, 2, 2 observations
+    monkeypatch.setattr(sb, "scrape", lambda url: "# none\n")
+    assert sb.settled_histogram("http://h", "kvevict_eviction_seconds", pause=0) is None
+
+
 # ---------------------------------------------------------------- rendering
 
 
@@ -273,6 +467,7 @@ def _result(name: str, fraction: float | None, out_tps: float, max_running: floa
         ttft_p99_ms=5678.9, itl_p50_ms=45.25, itl_p99_ms=99.5, kv_usage_peak=0.98,
         kv_usage_mean=0.75, kv_blocks_peak=0.98 * 516 if pool else None,
         kv_blocks_mean=0.75 * 516 if pool else None, blocks_held_peak=None, pool_blocks=pool,
+        request_throughput=0.16,
     )
     values.update(kw)
     return BenchResult(**values)
@@ -313,6 +508,55 @@ def test_table_and_csv_hold_the_numbers_and_ratios() -> None:
     assert float(rows[1]["output_throughput"]) == 50.0 and float(rows[1]["itl_p99_ms"]) == 99.5
     assert float(rows[1]["max_running_x_full"]) == 2.5 and float(rows[0]["output_throughput_x_full"]) == 1.0
     assert rows[0]["blocks_held_peak"] == "" and rows[1]["pool_blocks"] == "517"
+
+
+def test_fractions_of_the_unbounded_row_and_eviction_columns() -> None:
+    unbounded = _result(FULL_UNBOUNDED, None, 40.0, 16.0, pool=2065, request_throughput=0.32)
+    full = _result(FULL, None, 20.0, 4.0, request_throughput=0.16, eviction_steps=0.0)
+    snap = _result("snapkv@0.25", 0.25, 30.0, 13.0, request_throughput=0.24, eviction_steps=16.0,
+                   eviction_seconds=0.4, eviction_p50_ms=21.25, eviction_p99_ms=48.5)
+    results = [full, snap, unbounded]
+    wide = ratios_vs_unbounded(results)
+    assert wide["snapkv@0.25"] == {"output_throughput": 0.75, "request_throughput": pytest.approx(0.75)}
+    assert wide[FULL] == {"output_throughput": 0.5, "request_throughput": 0.5}
+    assert wide[FULL_UNBOUNDED] == {"output_throughput": 1.0, "request_throughput": 1.0}
+    assert ratios_vs_unbounded([full, snap]) == {}
+    # The x full ratios keep their reference: the bounded full cache.
+    assert ratios_vs_full(results)[FULL_UNBOUNDED]["output_throughput"] == 2.0
+
+    lines = markdown_table(results).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(header, cells))
+            for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert header.index("evict p50 ms") == header.index("ITL p99 ms") + 1
+    assert rows["snapkv@0.25"]["tok/s x unbounded"] == "0.75x"
+    assert rows["snapkv@0.25"]["req/s x unbounded"] == "0.75x"
+    assert rows["snapkv@0.25"]["tok/s x full"] == "1.50x"
+    assert rows[FULL]["tok/s x unbounded"] == "0.50x" and rows[FULL_UNBOUNDED]["req/s x unbounded"] == "1.00x"
+    assert rows[FULL_UNBOUNDED]["pool"] == "2065" and rows[FULL_UNBOUNDED]["kept"] == "100%"
+    assert rows["snapkv@0.25"]["evict p50 ms"] == "21.25" and rows["snapkv@0.25"]["evict p99 ms"] == "48.50"
+    assert rows["snapkv@0.25"]["evict steps"] == "16" and rows["snapkv@0.25"]["ITL p50 ms"] == "45.2"
+    assert rows[FULL]["evict steps"] == "0" and rows[FULL]["evict p50 ms"] == "-"
+    assert rows[FULL_UNBOUNDED]["evict steps"] == "-"  # no histogram exposed
+    bare = markdown_table([full, snap]).splitlines()[3]
+    assert bare.endswith("| - | - |")  # no unbounded row: no fraction
+
+    csv_rows = {r["name"]: r for r in csv.DictReader(io.StringIO(results_csv(results)))}
+    assert float(csv_rows["snapkv@0.25"]["output_throughput_x_unbounded"]) == 0.75
+    assert float(csv_rows["snapkv@0.25"]["request_throughput_x_unbounded"]) == 0.75
+    assert float(csv_rows["snapkv@0.25"]["request_throughput"]) == 0.24
+    assert float(csv_rows["snapkv@0.25"]["eviction_p99_ms"]) == 48.5
+    assert float(csv_rows["snapkv@0.25"]["eviction_seconds"]) == 0.4
+    assert csv_rows[FULL_UNBOUNDED]["eviction_p50_ms"] == ""
+    no_wide = list(csv.DictReader(io.StringIO(results_csv([full, snap]))))
+    assert no_wide[1]["output_throughput_x_unbounded"] == ""
+
+
+def test_requests_per_second_for_results_stored_without_it() -> None:
+    stored = {k: v for k, v in vars(_result(FULL, None, 20.0, 4.0)).items()
+              if k not in ("request_throughput", "eviction_p50_ms")}
+    result = sb.result_from_json(stored)
+    assert result.request_throughput == 16 / 100.0 and result.eviction_p50_ms is None
 
 
 def test_plots_are_png_files(tmp_path) -> None:

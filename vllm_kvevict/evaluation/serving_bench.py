@@ -8,8 +8,9 @@ records, per request, when it was sent, when each token chunk arrived and how
 many tokens it carried; a sampler thread scrapes the server's ``/metrics`` every
 0.25 s (vLLM's running/waiting requests, KV-cache usage, preemptions, and the
 plugin's ``kvevict_blocks_held``). The report says how many requests ran at once,
-how many tokens per second came out, the latency the clients saw (TTFT, ITL) and
-how many KV blocks were in use.
+how many tokens per second came out, the latency the clients saw (TTFT, ITL),
+how many KV blocks were in use and, from the plugin's ``kvevict_eviction_seconds``
+histogram read before and after the load, how long one step's eviction took.
 
 Each ``--setting`` is one of:
 
@@ -20,7 +21,10 @@ Each ``--setting`` is one of:
 * managed (``--setting full --setting snapkv@0.25 ...``, see ``settings.py``):
   the tool starts one ``vllm serve`` per setting, one after another, all with
   the same KV pool (default: what 4 requests need in full) and the same flags,
-  and a budget of FRACTION x the mean prompt for eviction settings.
+  and a budget of FRACTION x the mean prompt for eviction settings;
+  ``full-unbounded`` is the full cache in a pool that holds every request in
+  full at once (no memory limit, no eviction): the ``x unbounded`` ratios
+  divide by it, the ceiling eviction in the bounded pool can reach.
 
 Both can be mixed.
 
@@ -31,6 +35,7 @@ same parameters is not run again unless ``--force``), ``bench.png`` and
 
     kvevict bench                                   # full vs snapkv@0.25, default model
     kvevict bench --setting full --setting snapkv@0.25 --setting momentkv@0.5
+    kvevict bench --setting full-unbounded --setting full --setting snapkv@0.25
     kvevict bench --setting full=http://gpu-host:8000 --tokenizer MODEL
     kvevict bench --setting snapkv@0.25 --kv-eviction-config '{"prefill_mode": "per_chunk"}'
     kvevict bench --setting full --setting snapkv@0.25 --server-args "--dtype bfloat16"
@@ -61,6 +66,7 @@ from vllm_kvevict.evaluation.server import parse_metrics, scrape, scrape_metrics
 from vllm_kvevict.evaluation.settings import (
     DEFAULT_BLOCK_SIZE,
     FULL,
+    FULL_UNBOUNDED,
     ServingSetting,
     eviction_config,
     flag_value,
@@ -78,6 +84,10 @@ KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction (1.0 = full) of num_gpu_bloc
 PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"  # labels: the CacheConfig, num_gpu_blocks included
 BLOCKS_HELD = "kvevict_blocks_held"
+# The plugin's histogram (vllm_kvevict/metrics.py): one observation per model
+# step of the first worker in which some request dropped tokens, its worker time
+# in eviction work summed over all layers and over the requests evicting then.
+EVICTION_SECONDS = "kvevict_eviction_seconds"
 PNG_DPI = 110
 
 
@@ -94,6 +104,13 @@ def default_pool_blocks(prompt_tokens: int, max_tokens: int, block_size: int = D
     """A pool that holds ``full_requests`` whole requests, plus vLLM's null block
     (block 0 is never handed out: usable blocks = num_gpu_blocks - 1)."""
     return full_requests * blocks_per_request(prompt_tokens, max_tokens, block_size) + 1
+
+
+def unbounded_pool_blocks(prompt_tokens: int, max_tokens: int, requests: int,
+                          block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The pool of ``full-unbounded``: every request of the load in full at once,
+    plus the null block, so no request waits for memory and nothing is evicted."""
+    return default_pool_blocks(prompt_tokens, max_tokens, block_size, full_requests=requests)
 
 
 def dtype_bytes(dtype: str, kv_cache_dtype: str | None = None) -> int:
@@ -148,6 +165,86 @@ def pool_blocks_from_exposition(text: str) -> int | None:
         return int(labels["num_gpu_blocks"])
     except (KeyError, ValueError):
         return None
+
+
+Buckets = list[tuple[float, float]]  # (upper bound ``le``, cumulative count), +Inf last
+
+
+@dataclass
+class HistogramDelta:
+    """What a Prometheus histogram gained over a run: cumulative bucket counts
+    and the sum of the observations."""
+
+    buckets: Buckets
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+
+def histogram_from_exposition(text: str, name: str) -> HistogramDelta | None:
+    """Histogram ``name``'s buckets and sum, each summed over its label sets
+    (engines); None when the server does not expose it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    total = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + float(sample.value)
+            elif sample.name == f"{name}_sum":
+                total = (total or 0.0) + float(sample.value)
+    if not buckets or total is None:
+        return None
+    return HistogramDelta(sorted(buckets.items()), total)
+
+
+def histogram_delta(before: HistogramDelta | None, after: HistogramDelta | None) -> HistogramDelta | None:
+    """``after - before`` per bucket. A histogram born during the run started
+    from 0; one absent at the end, with other buckets, or that went down (the
+    server restarted) is unknown (None)."""
+    if after is None:
+        return None
+    if before is None:
+        return after
+    old = dict(before.buckets)
+    if set(old) != {bound for bound, _ in after.buckets}:
+        return None
+    buckets = [(bound, count - old[bound]) for bound, count in after.buckets]
+    if any(count < 0 for _, count in buckets):
+        return None
+    return HistogramDelta(buckets, after.sum - before.sum)
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile (0 <= q <= 1) of the observations in cumulative
+    ``buckets``, as Prometheus's ``histogram_quantile`` estimates it: the bucket
+    that holds rank q x count, with the observations taken as spread evenly
+    inside it (linear interpolation from the bucket's lower bound, 0 for the
+    first bucket, to its upper bound). A rank in the +Inf bucket gives the
+    highest finite bound (Prometheus's answer too). None without observations."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile {q} is outside [0, 1]")
+    ordered = sorted(buckets)
+    if not ordered or not math.isinf(ordered[-1][0]):
+        raise ValueError("a histogram's buckets end with le=+Inf")
+    observations = ordered[-1][1]
+    if observations <= 0:
+        return None
+    rank = q * observations
+    # The first bucket reaching the rank (q = 0: the first that holds any).
+    index = next(i for i, (_, count) in enumerate(ordered)
+                 if (count >= rank and count > 0) or i == len(ordered) - 1)
+    if index == len(ordered) - 1:
+        return ordered[-2][0] if len(ordered) > 1 else None
+    upper, count = ordered[index]
+    lower, below = ordered[index - 1] if index > 0 else (0.0, 0.0)
+    if index == 0 and upper <= 0:
+        return upper
+    return lower + (upper - lower) * (rank - below) / (count - below)
 
 
 @dataclass
@@ -326,6 +423,14 @@ class BenchResult:
     kv_blocks_mean: float | None
     blocks_held_peak: float | None  # kvevict_blocks_held
     pool_blocks: int | None  # vLLM's num_gpu_blocks, null block included
+    request_throughput: float | None = None  # completed requests / wall s
+    # kvevict_eviction_seconds over the run (end - start): steps of the first
+    # worker that evicted, their eviction time in all, and p50/p99 of one step's
+    # (all layers, every request evicting in it) estimated from the buckets.
+    eviction_steps: float | None = None
+    eviction_seconds: float | None = None
+    eviction_p50_ms: float | None = None
+    eviction_p99_ms: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few failures
 
 
@@ -335,8 +440,10 @@ def _ms(value: float | None) -> float | None:
 
 def summarize_run(name: str, fraction: float | None, budget: int | None,
                   records: Sequence[RequestRecord], samples: Sequence[MetricSample],
-                  preemptions: float | None, pool_blocks: int | None) -> BenchResult:
-    """Latency over the completed requests, throughput over the wall time of all."""
+                  preemptions: float | None, pool_blocks: int | None,
+                  eviction: HistogramDelta | None = None) -> BenchResult:
+    """Latency over the completed requests, throughput over the wall time of all;
+    ``eviction``: what kvevict_eviction_seconds gained over the run."""
     done = [r for r in records if r.ok]
     sent = [r.send_s for r in records]
     ends = [r.end_s for r in records if r.end_s is not None]
@@ -360,25 +467,45 @@ def summarize_run(name: str, fraction: float | None, budget: int | None,
         kv_usage_peak=summary.kv_usage_peak, kv_usage_mean=summary.kv_usage_mean,
         kv_blocks_peak=summary.kv_blocks_peak, kv_blocks_mean=summary.kv_blocks_mean,
         blocks_held_peak=summary.blocks_held_peak, pool_blocks=pool_blocks,
+        request_throughput=len(done) / wall if wall > 0 else 0.0,
+        eviction_steps=None if eviction is None else eviction.count,
+        eviction_seconds=None if eviction is None else eviction.sum,
+        eviction_p50_ms=None if eviction is None else _ms(histogram_quantile(0.5, eviction.buckets)),
+        eviction_p99_ms=None if eviction is None else _ms(histogram_quantile(0.99, eviction.buckets)),
         errors=[f"request {r.index}: {r.error}" for r in records if r.error][:10],
     )
 
 
 RATIO_FIELDS = ("max_running", "mean_running", "output_throughput", "total_throughput")
+UNBOUNDED_RATIO_FIELDS = ("output_throughput", "request_throughput")
 
 
-def ratios_vs_full(results: Sequence[BenchResult]) -> dict[str, dict[str, float | None]]:
-    """Per setting, each of RATIO_FIELDS divided by the ``full`` row's ({} without one)."""
-    full = next((r for r in results if r.name == FULL), None)
-    if full is None:
+def ratios_vs(results: Sequence[BenchResult], reference: str,
+              names: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    """Per setting, each field in ``names`` divided by the ``reference`` row's
+    ({} without that row)."""
+    base = next((r for r in results if r.name == reference), None)
+    if base is None:
         return {}
     ratios: dict[str, dict[str, float | None]] = {}
     for result in results:
         ratios[result.name] = {}
-        for name in RATIO_FIELDS:
-            mine, base = getattr(result, name), getattr(full, name)
-            ratios[result.name][name] = mine / base if mine is not None and base else None
+        for name in names:
+            mine, theirs = getattr(result, name), getattr(base, name)
+            ratios[result.name][name] = mine / theirs if mine is not None and theirs else None
     return ratios
+
+
+def ratios_vs_full(results: Sequence[BenchResult]) -> dict[str, dict[str, float | None]]:
+    """Per setting, each of RATIO_FIELDS divided by the ``full`` row's ({} without one)."""
+    return ratios_vs(results, FULL, RATIO_FIELDS)
+
+
+def ratios_vs_unbounded(results: Sequence[BenchResult]) -> dict[str, dict[str, float | None]]:
+    """Per setting, output tokens/s and requests/s as a fraction of the
+    ``full-unbounded`` row's: the same load without eviction and without a
+    memory limit ({} without that row)."""
+    return ratios_vs(results, FULL_UNBOUNDED, UNBOUNDED_RATIO_FIELDS)
 
 
 # ---------------------------------------------------------------- rendering
@@ -404,27 +531,31 @@ def _blocks(result: BenchResult, blocks: float | None, usage: float | None) -> s
 TABLE_HEADER = (
     "setting", "kept", "budget", "done/sent", "wall s", "out tok/s", "total tok/s",
     "max running", "mean running", "preempt", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-    "ITL p99 ms", "KV blocks peak", "KV blocks mean", "held peak", "pool",
-    "running x full", "tok/s x full",
+    "ITL p99 ms", "evict p50 ms", "evict p99 ms", "evict steps", "KV blocks peak",
+    "KV blocks mean", "held peak", "pool", "running x full", "tok/s x full",
+    "tok/s x unbounded", "req/s x unbounded",
 )
 
 
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """One row per setting. KV blocks are vLLM's usage x (pool - 1); without a
-    known pool they show as usage %. ``held peak`` is the plugin's count."""
-    ratios = ratios_vs_full(results)
+    known pool they show as usage %. ``held peak`` is the plugin's count;
+    ``evict`` columns the plugin's kvevict_eviction_seconds over the run."""
+    ratios, unbounded = ratios_vs_full(results), ratios_vs_unbounded(results)
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     for r in results:
-        ratio = ratios.get(r.name, {})
+        ratio, wide = ratios.get(r.name, {}), unbounded.get(r.name, {})
         cells = [
             r.name, _kept(r), "-" if r.budget is None else str(r.budget),
             f"{r.completed}/{r.requests}", _fmt(r.wall_s), _fmt(r.output_throughput),
             _fmt(r.total_throughput), _fmt(r.max_running, 0), _fmt(r.mean_running),
             _fmt(r.preemptions, 0), _fmt(r.ttft_p50_ms, 0), _fmt(r.ttft_p99_ms, 0),
-            _fmt(r.itl_p50_ms), _fmt(r.itl_p99_ms),
+            _fmt(r.itl_p50_ms), _fmt(r.itl_p99_ms), _fmt(r.eviction_p50_ms, 2),
+            _fmt(r.eviction_p99_ms, 2), _fmt(r.eviction_steps, 0),
             _blocks(r, r.kv_blocks_peak, r.kv_usage_peak), _blocks(r, r.kv_blocks_mean, r.kv_usage_mean),
             _fmt(r.blocks_held_peak, 0), "-" if r.pool_blocks is None else str(r.pool_blocks),
             _fmt(ratio.get("max_running"), 2, "x"), _fmt(ratio.get("output_throughput"), 2, "x"),
+            _fmt(wide.get("output_throughput"), 2, "x"), _fmt(wide.get("request_throughput"), 2, "x"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -434,11 +565,13 @@ CSV_FIELDS = [f.name for f in fields(BenchResult) if f.name != "errors"]
 
 
 def results_csv(results: Sequence[BenchResult]) -> str:
-    """Every BenchResult field (empty for None) plus the ``x full`` ratios."""
-    ratios = ratios_vs_full(results)
+    """Every BenchResult field (empty for None) plus the ``x full`` and ``x
+    unbounded`` ratios."""
+    ratios, unbounded = ratios_vs_full(results), ratios_vs_unbounded(results)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow([*CSV_FIELDS, *(f"{name}_x_full" for name in RATIO_FIELDS)])
+    writer.writerow([*CSV_FIELDS, *(f"{name}_x_full" for name in RATIO_FIELDS),
+                     *(f"{name}_x_unbounded" for name in UNBOUNDED_RATIO_FIELDS)])
     for r in results:
         row: list[Any] = []
         for name in CSV_FIELDS:
@@ -446,6 +579,8 @@ def results_csv(results: Sequence[BenchResult]) -> str:
             row.append("" if value is None else round(value, 6) if isinstance(value, float) else value)
         ratio = ratios.get(r.name, {})
         row += ["" if ratio.get(name) is None else round(ratio[name], 6) for name in RATIO_FIELDS]
+        wide = unbounded.get(r.name, {})
+        row += ["" if wide.get(name) is None else round(wide[name], 6) for name in UNBOUNDED_RATIO_FIELDS]
         writer.writerow(row)
     return buffer.getvalue()
 
@@ -648,12 +783,30 @@ def wait_idle(url: str, timeout: float = 300, poll: float = 0.5) -> dict[str, fl
         time.sleep(poll)
 
 
+def settled_histogram(url: str, name: str, pause: float = 0.5, tries: int = 10) -> HistogramDelta | None:
+    """Histogram ``name`` once two scrapes ``pause`` seconds apart agree: the
+    workers write their series at most every 0.25 s, and at the end when their
+    requests are released, which can come just after vLLM's gauges read idle."""
+    previous = None
+    for _ in range(tries):
+        try:
+            current = histogram_from_exposition(scrape(url), name)
+        except requests.HTTPError:
+            return None
+        if current is None or current == previous:
+            return current
+        previous = current
+        time.sleep(pause)
+    return previous
+
+
 @dataclass
 class LoadRun:
     records: list[RequestRecord]
     samples: list[MetricSample]
     preemptions: float | None
     pool_blocks: int | None  # from vllm:cache_config_info, when the server exposes it
+    eviction: HistogramDelta | None = None  # kvevict_eviction_seconds, end - start
 
 
 def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
@@ -666,9 +819,11 @@ def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int
     model, _ = served_model(url)
     before = wait_idle(url, idle_timeout)
     try:
-        pool = pool_blocks_from_exposition(scrape(url))
+        text = scrape(url)
     except requests.HTTPError:
-        pool = None
+        text = ""
+    pool = pool_blocks_from_exposition(text)
+    evicted_before = histogram_from_exposition(text, EVICTION_SECONDS)
     clock0 = time.perf_counter()
     sampler = MetricSampler(url, clock0, interval)
     sampler.start()
@@ -684,10 +839,12 @@ def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int
         with ThreadPoolExecutor(max(1, concurrency)) as pool_executor:
             records = list(pool_executor.map(one, enumerate(prompts)))
         after = wait_idle(url, idle_timeout)
+        evicted_after = settled_histogram(url, EVICTION_SECONDS)
     finally:
         samples = sampler.stop()
         bar.close()
-    return LoadRun(records, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)), pool)
+    return LoadRun(records, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)),
+                   pool, histogram_delta(evicted_before, evicted_after))
 
 
 # ---------------------------------------------------------------- results file
@@ -716,6 +873,10 @@ class ResultStore:
             "name": name, "params": self.normalize(params), "result": asdict(result),
             "requests": [asdict(r) for r in load.records],
             "samples": [asdict(s) for s in load.samples],
+            # kvevict_eviction_seconds over the run: [le, cumulative count], the sum.
+            "eviction_histogram": None if load.eviction is None else {
+                "buckets": [[_le(bound), count] for bound, count in load.eviction.buckets],
+                "sum": load.eviction.sum},
         }
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"version": 1, "runs": list(self.runs.values())}, indent=1))
@@ -727,8 +888,16 @@ class ResultStore:
         return [run for run in self.runs.values() if run["params"].get("workload") == wanted]
 
 
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes ``le`` (``+Inf``; JSON has no infinity)."""
+    return "+Inf" if math.isinf(bound) else repr(bound)
+
+
 def result_from_json(data: dict[str, Any]) -> BenchResult:
-    return BenchResult(**{k: v for k, v in data.items() if k in {f.name for f in fields(BenchResult)}})
+    result = BenchResult(**{k: v for k, v in data.items() if k in {f.name for f in fields(BenchResult)}})
+    if result.request_throughput is None:  # stored before the column existed
+        result.request_throughput = result.completed / result.wall_s if result.wall_s > 0 else 0.0
+    return result
 
 
 def samples_from_json(data: Iterable[dict[str, Any]]) -> list[MetricSample]:
@@ -821,12 +990,25 @@ def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], m
     pool, memory = plan_pool(_read_model_config(model), [*base, *extra], longest, args.max_tokens,
                              args.pool_blocks, args.kv_cache_memory_bytes, args.pool_full_requests)
     need = blocks_per_request(longest, args.max_tokens, block_size)
-    if pool is not None and pool - 1 < need and any(s.policy is None for s in settings):
+    if pool is not None and pool - 1 < need and any(s.policy is None and not s.unbounded for s in settings):
         raise ValueError(f"a pool of {pool} blocks cannot hold one full request ({need} blocks + "
                          "vLLM's null block): raise --pool-blocks or drop the 'full' setting")
+    wide = wide_memory = None
+    if any(s.unbounded for s in settings):
+        if flag_value(extra, "--kv-cache-memory-bytes") is not None:
+            raise ValueError(f"--server-args sets --kv-cache-memory-bytes for every server, and "
+                             f"{FULL_UNBOUNDED} sizes its own pool: drop one of them")
+        wide = unbounded_pool_blocks(longest, args.max_tokens, args.requests, block_size)
+        try:
+            _, wide_memory = plan_pool(_read_model_config(model), [*base, *extra], longest,
+                                       args.max_tokens, wide)
+        except ValueError:
+            raise ValueError(f"{FULL_UNBOUNDED}: the model has no config.json to size a pool of "
+                             f"{args.requests} requests from; drop {FULL_UNBOUNDED}") from None
     plans = []
     for setting in settings:
-        server_args = [*base, "--kv-cache-memory-bytes", str(memory)]
+        size, setting_pool = (wide_memory, wide) if setting.unbounded else (memory, pool)
+        server_args = [*base, "--kv-cache-memory-bytes", str(size)]
         budget = setting.budget(mean_prompt, block_size)
         eviction = eviction_config(setting, mean_prompt, block_size,
                                    context=f"setting {setting.name} at {mean_prompt:.0f} prompt tokens")
@@ -834,9 +1016,15 @@ def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], m
             server_args += ["--kv-eviction", setting.policy, "--kv-eviction-config", json.dumps(eviction)]
         server_args += extra
         params = {"workload": workload, "model": model, "server_args": server_args}
-        plans.append(PlannedRun(setting, params, budget, server_args, pool))
-    print(f"managed servers: KV pool {pool} blocks of {block_size} tokens "
-          f"(--kv-cache-memory-bytes {memory}); one request needs {need} blocks in full", flush=True)
+        plans.append(PlannedRun(setting, params, budget, server_args, setting_pool))
+    if not all(s.unbounded for s in settings):
+        print(f"managed servers: KV pool {pool} blocks of {block_size} tokens "
+              f"(--kv-cache-memory-bytes {memory}); one request needs {need} blocks in full", flush=True)
+    if wide is not None:
+        seqs = int(flag_value([*base, *extra], "--max-num-seqs"))
+        cap = f"; vLLM runs at most {seqs} at once (--max-num-seqs)" if seqs < args.requests else ""
+        print(f"{FULL_UNBOUNDED}: KV pool {wide} blocks (--kv-cache-memory-bytes {wide_memory}), "
+              f"all {args.requests} requests in full{cap}", flush=True)
     return plans
 
 
@@ -855,11 +1043,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = parser.add_argument_group("what to benchmark")
     target.add_argument("--setting", action="append", default=[], metavar="SPEC",
-                        help="'full', 'CONFIG@FRACTION' (a policy, a shipped config such as momentkv or "
+                        help="'full', 'full-unbounded' (no eviction, in a KV pool that holds every "
+                        "request: the reference of the x unbounded ratios), 'CONFIG@FRACTION' (a policy, a shipped config such as momentkv or "
                         "adakv_snapkv, or a .yaml/.json config path, kept at FRACTION of the prompt, "
                         "e.g. snapkv@0.25), 'CONFIG@TOKENS' "
                         "(a fixed budget): the tool serves these; or 'NAME=URL' (a running server; "
-                        "the name 'full' makes it the reference of the x full ratios); "
+                        "the name 'full' or 'full-unbounded' makes it the reference of the x full "
+                        "or x unbounded ratios); "
                         f"repeatable (default: {' '.join(DEFAULT_SETTINGS)})")
     target.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
                         help="settings added to every eviction setting the tool serves, as "
@@ -886,7 +1076,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--pool-full-requests", type=int, default=4,
                         help="default pool: whole requests it holds without eviction")
     server.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="instead of sizing the pool from config.json")
+                        help="instead of sizing the pool from config.json (full-unbounded "
+                        "sizes its own)")
     server.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     server.add_argument("--max-num-seqs", type=int, default=64,
                         help="high, so that the KV pool, not vLLM, limits concurrency")
@@ -929,7 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--server-args: {exc}; quote it as one shell string")
     block_size = int(flag_value(extra, "--block-size") or args.block_size)
     settings = parse_settings(parser, args.setting or list(DEFAULT_SETTINGS), args.kv_eviction_config,
-                              block_size)
+                              block_size, unbounded=True)
     check_running_servers(parser, settings)
     if args.model is not None and not Path(args.model).is_dir():
         parser.error(f"--model {args.model}: no such folder; give a local model folder "
@@ -990,18 +1181,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plan.pool_blocks} expected; reporting vLLM's", flush=True)
             pool_blocks = load.pool_blocks
         result = summarize_run(setting.name, setting.fraction, plan.budget, load.records,
-                               load.samples, load.preemptions, pool_blocks)
+                               load.samples, load.preemptions, pool_blocks, load.eviction)
         store.put(setting.name, plan.params, result, load)
+        evicted = (f", eviction p50 {result.eviction_p50_ms:.2f} ms a step over "
+                   f"{result.eviction_steps:.0f} steps" if result.eviction_p50_ms is not None else "")
         print(f"{setting.name}: {result.completed}/{result.requests} done in {result.wall_s:.1f}s, "
               f"{result.output_throughput:.1f} output tok/s, up to {_fmt(result.max_running, 0)} "
-              "running at once", flush=True)
+              f"running at once{evicted}", flush=True)
 
     runs = store.matching(workload)
     header = (f"{args.requests} streaming requests of ~{mean_prompt:.0f} prompt tokens "
               f"(target {args.prompt_tokens}) and {args.max_tokens} output tokens, "
               f"{args.concurrency} at a time, seed {args.seed}; running = "
               f"vllm:num_requests_running while requests were outstanding; KV blocks = "
-              f"vllm:kv_cache_usage_perc x (pool - 1); ITL = chunk gaps split over their tokens.")
+              f"vllm:kv_cache_usage_perc x (pool - 1); ITL = chunk gaps split over their tokens; "
+              f"evict = one model step's eviction work (all layers, every request evicting in "
+              f"that step) from {EVICTION_SECONDS}, p50/p99 interpolated in its buckets, over "
+              f"the steps that evicted; x unbounded = fraction of {FULL_UNBOUNDED} (no eviction, "
+              f"a KV pool for all {args.requests} requests).")
     table = write_outputs(out, runs, header)
     print("\n" + header + "\n\n" + table)
     print(f"\nwritten to {out}/ (results.md, results.csv, results.json, bench.png, timeline.png)",

@@ -1,6 +1,7 @@
 """What `kvevict eval`, `bench` and `soak` serve: settings (``--setting SPEC``).
 
-A setting is the full cache (``full``), an eviction config kept at a fraction
+A setting is the full cache (``full``; ``full-unbounded`` in `kvevict bench`:
+the full cache in a KV pool that holds every request of the load), an eviction config kept at a fraction
 of the prompt or at a fixed budget (``snapkv@0.25``, ``momentkv@0.5``,
 ``my-config.yaml@0.5``, ``tova@1024``; the tools start the server), or a
 server that already runs (``NAME=URL``). ``--kv-eviction-config`` adds the
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 FULL = "full"
+FULL_UNBOUNDED = "full-unbounded"  # `kvevict bench` only: no eviction, no memory limit
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -30,6 +32,7 @@ class ServingSetting:
     eviction: dict[str, Any] | None = None  # the config without "budget"; None: no eviction
     fraction: float | None = None  # budget = fraction x mean prompt tokens, or
     budget_tokens: int | None = None  # a fixed budget
+    unbounded: bool = False  # no eviction in a KV pool for every request at once (bench)
 
     @property
     def managed(self) -> bool:
@@ -90,7 +93,7 @@ def eviction_options(source: str) -> dict[str, Any]:
 
 def parse_setting(text: str, extra: dict[str, Any] | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE) -> ServingSetting:
-    """``full``, ``NAME=URL``, ``CONFIG@FRACTION`` (0 < FRACTION <= 1) or
+    """``full``, ``full-unbounded``, ``NAME=URL``, ``CONFIG@FRACTION`` (0 < FRACTION <= 1) or
     ``CONFIG@TOKENS`` (a budget, a multiple of the block size). ``extra`` options
     go into every eviction config (e.g. ``{"prefill_mode": "per_chunk"}``); the
     setting gives the budget, and a policy in ``extra`` must be the setting's.
@@ -98,6 +101,8 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     text = text.strip()
     if text == FULL:
         return ServingSetting(FULL)
+    if text == FULL_UNBOUNDED:
+        return ServingSetting(FULL_UNBOUNDED, unbounded=True)
     if "=" in text:
         name, url = text.split("=", 1)
         if not name or not url.startswith(("http://", "https://")):
@@ -160,15 +165,19 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], options_source: str | None,
-                   block_size: int = DEFAULT_BLOCK_SIZE) -> list[ServingSetting]:
+                   block_size: int = DEFAULT_BLOCK_SIZE, unbounded: bool = False) -> list[ServingSetting]:
     """The ``--setting`` specs of a command, with ``--kv-eviction-config``'s
     options in every eviction setting, each checked as far as it can be before
-    the prompts exist; a mistake ends the command through ``parser.error``."""
+    the prompts exist; a mistake ends the command through ``parser.error``.
+    ``unbounded``: the command sizes a pool for ``full-unbounded`` (bench)."""
     try:
         options = eviction_options(options_source) if options_source else {}
         settings = [parse_setting(spec, options, block_size) for spec in specs]
     except ValueError as exc:  # KVEvictionConfigError included
         parser.error(str(exc))
+    if not unbounded and any(s.unbounded for s in settings):
+        parser.error(f"{FULL_UNBOUNDED} is a `kvevict bench` setting (a KV pool for every request "
+                     f"of its load); give '{FULL}' here")
     if options_source and not any(s.eviction is not None for s in settings):
         parser.error("--kv-eviction-config adds settings to eviction settings, and none is "
                      "given (full and NAME=URL take none): add one, e.g. --setting snapkv@512, "
