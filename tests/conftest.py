@@ -29,13 +29,13 @@ def tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="session")
-def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    """`vllm serve --kv-eviction snapkv` with budget 512, shared by the e2e tests."""
-    work = tmp_path_factory.mktemp("snapkv_server")
+def _shared_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory, name: str, config: dict):
+    """A `vllm serve` of the default model with ``config`` and the shared pool,
+    ready, until the session ends (its log printed with KVEVICT_SHOW_SERVER_LOG)."""
+    work = tmp_path_factory.mktemp(name)
     server = VllmServer(
         model_dir,
-        eviction_server_args(SNAPKV_SERVER_CONFIG, SERVER_POOL_BLOCKS),
+        eviction_server_args(config, SERVER_POOL_BLOCKS),
         stats_path=work / "stats.json",
         log_path=work / "server.log",
     )
@@ -49,18 +49,13 @@ def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def snapkv_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """`vllm serve --kv-eviction snapkv` with budget 512, shared by the e2e tests."""
+    yield from _shared_server(model_dir, tmp_path_factory, "snapkv_server", SNAPKV_SERVER_CONFIG)
+
+
+@pytest.fixture(scope="session")
 def head_pages_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """`vllm serve` with per-(layer, KV head) page tables (AdaKV + SnapKV, the
     MomentKV correction), budget 512, shared by the e2e tests."""
-    work = tmp_path_factory.mktemp("head_pages_server")
-    server = VllmServer(
-        model_dir,
-        eviction_server_args(HEAD_PAGES_SERVER_CONFIG, SERVER_POOL_BLOCKS),
-        stats_path=work / "stats.json",
-        log_path=work / "server.log",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from _shared_server(model_dir, tmp_path_factory, "head_pages_server", HEAD_PAGES_SERVER_CONFIG)
