@@ -51,6 +51,7 @@ from vllm_kvevict.evaluation.quality import KL_POSITIONS, Completion, compare_to
 from vllm_kvevict.evaluation.ruler import DEFAULT_TASKS, RulerSample
 from vllm_kvevict.evaluation.server import scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import (
+    add_kv_eviction_config_argument,
     DEFAULT_BLOCK_SIZE,
     FULL,
     ServingSetting,
@@ -705,11 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the mean prompt; the tool serves it), 'CONFIG@TOKENS' (a fixed budget) "
                         "or 'NAME=URL' (a running OpenAI-compatible server); repeatable "
                         f"(default: {' '.join(DEFAULT_SETTINGS)})")
-    parser.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
-                        help="settings added to every eviction setting the tool serves, as "
-                        "vllm serve's --kv-eviction-config takes them (inline JSON, a .json/.yaml "
-                        "file or a shipped config's name; `kvevict policies` lists them), e.g. "
-                        "'{\"prefill_mode\": \"per_chunk\"}'; the budget comes from each setting")
+    add_kv_eviction_config_argument(parser)
     parser.add_argument("--model", default=None,
                         help="model the tool serves for its own settings (default: the embedded SmolLM2)")
     parser.add_argument("--tokenizer", default=None,

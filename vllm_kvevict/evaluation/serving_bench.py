@@ -64,6 +64,7 @@ import requests
 from vllm_kvevict.evaluation.ruler import load_tokenizer
 from vllm_kvevict.evaluation.server import parse_metrics, scrape, scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import (
+    add_kv_eviction_config_argument,
     DEFAULT_BLOCK_SIZE,
     FULL,
     FULL_UNBOUNDED,
@@ -1051,11 +1052,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the name 'full' or 'full-unbounded' makes it the reference of the x full "
                         "or x unbounded ratios); "
                         f"repeatable (default: {' '.join(DEFAULT_SETTINGS)})")
-    target.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
-                        help="settings added to every eviction setting the tool serves, as "
-                        "vllm serve's --kv-eviction-config takes them (inline JSON, a .json/.yaml "
-                        "file or a shipped config's name; `kvevict policies` lists them), e.g. "
-                        "'{\"prefill_mode\": \"per_chunk\"}'; the budget comes from each setting")
+    add_kv_eviction_config_argument(target)
     target.add_argument("--model", default=None,
                         help="model the managed servers serve (default: the embedded SmolLM2)")
     target.add_argument("--tokenizer", default=None,

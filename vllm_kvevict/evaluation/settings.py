@@ -164,6 +164,20 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def add_kv_eviction_config_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+    applies_to: str = "every eviction setting the tool serves",
+    budget_from: str = "each setting",
+    example: str = '{"prefill_mode": "per_chunk"}',
+) -> None:
+    """``--kv-eviction-config``, as ``kvevict eval``, ``bench`` and ``soak`` all take it."""
+    parser.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
+                        help=f"settings added to {applies_to}, as vllm serve's "
+                        "--kv-eviction-config takes them (inline JSON, a .json/.yaml file or a "
+                        "shipped config's name; `kvevict policies` lists them), e.g. "
+                        f"'{example}'; the budget comes from {budget_from}")
+
+
 def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], options_source: str | None,
                    block_size: int = DEFAULT_BLOCK_SIZE, unbounded: bool = False) -> list[ServingSetting]:
     """The ``--setting`` specs of a command, with ``--kv-eviction-config``'s

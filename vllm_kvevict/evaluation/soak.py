@@ -310,6 +310,7 @@ SOAK_MAX_MODEL_LEN = 4096
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_kvevict.cli import HelpFormatter
+    from vllm_kvevict.evaluation.settings import add_kv_eviction_config_argument
 
     parser = argparse.ArgumentParser(prog="kvevict soak", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter,
@@ -324,11 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a .yaml/.json config path, with a budget in tokens per KV head, a "
                         f"multiple of {SOAK_BLOCK_SIZE}) or 'full' (no eviction: the baseline of "
                         "the server's memory)")
-    parser.add_argument("--kv-eviction-config", default=None, metavar="JSON|FILE|NAME",
-                        help="settings added to the eviction setting, as vllm serve's "
-                        "--kv-eviction-config takes them (inline JSON, a .json/.yaml file or a "
-                        "shipped config's name), e.g. '{\"decode_interval\": 16}'; the budget "
-                        "comes from --setting")
+    add_kv_eviction_config_argument(parser, applies_to="the eviction setting",
+                                    budget_from="--setting", example='{"decode_interval": 16}')
     parser.add_argument("--pool-blocks", type=int, default=160,
                         help=f"KV pool size in blocks of {SOAK_BLOCK_SIZE} tokens")
     parser.add_argument("--seed", type=int, default=None,
