@@ -285,3 +285,36 @@ def test_numbers_for_float_options_are_taken_as_floats():
 
     policy = build_config({"policy": "expected_attention", "policy_options": {"epsilon": 1}}).build_policy()
     assert policy.epsilon == 1.0 and isinstance(policy.epsilon, float)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_attention_probs_against_a_loop(seed):
+    """Causal window attention, one softmax per (query head, query) over the
+    keys at or before it, against a loop; keys in any order, padding after
+    every query, and queries older than every key of a head (zero weight)."""
+    from vllm_kvevict.policies.base import PADDING_POSITION, grouped_attention_probs
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, group, window, live, dim = 3, 2, 8, 40, 32
+    inputs = _random_inputs(gen, heads, group, window, live, dim)
+    key_positions = inputs.key_positions.clone()
+    for h in range(heads):  # shuffled order, padding at random places
+        key_positions[h] = key_positions[h, torch.randperm(live, generator=gen)]
+    key_positions[0, torch.randperm(live, generator=gen)[:5]] = PADDING_POSITION
+    if seed % 2:  # head 2 holds only keys after the oldest queries
+        key_positions[2] = int(inputs.query_positions[window // 2]) + torch.arange(live)
+    inputs.key_positions = key_positions
+    probs = grouped_attention_probs(inputs)
+    expected = torch.zeros_like(probs)
+    for h in range(heads):
+        for g in range(group):
+            for w in range(window):
+                visible = key_positions[h] <= inputs.query_positions[w]
+                if not bool(visible.any()):
+                    continue
+                q = inputs.queries[h * group + g, w].double()
+                logits = (inputs.keys[h][visible].double() @ q) * inputs.scale
+                expected[h, g, w, visible] = torch.softmax(logits, 0).float()
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
+    if seed % 2:
+        assert bool((probs[2, :, : window // 2] == 0).all())

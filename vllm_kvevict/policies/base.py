@@ -202,16 +202,27 @@ def grouped_attention_probs(inputs: ScoringInputs) -> torch.Tensor:
     query's, exactly as during the forward pass.
     """
     assert inputs.queries is not None and inputs.query_positions is not None
-    num_kv_heads, _, head_dim = inputs.keys.shape
+    num_kv_heads, num_keys, head_dim = inputs.keys.shape
     num_q_heads, window, _ = inputs.queries.shape
     group = num_q_heads // num_kv_heads
-    queries = inputs.queries.float().view(num_kv_heads, group, window, head_dim)
-    logits = torch.einsum("hgwd,hsd->hgws", queries, inputs.keys.float())
-    logits = logits * inputs.scale
-    future = inputs.key_positions[:, None, None, :] > inputs.query_positions[
-        None, None, :, None
-    ]
-    logits = logits.masked_fill(future, float("-inf"))
+    queries = (inputs.queries.float() * inputs.scale).reshape(num_kv_heads, group * window, head_dim)
+    logits = torch.bmm(queries, inputs.keys.float().transpose(1, 2))
+    logits = logits.view(num_kv_heads, group, window, num_keys)
+    key_positions, query_positions = inputs.key_positions, inputs.query_positions
+    if not window:
+        return logits
+    # Only keys after the oldest query can be in some query's future (at an
+    # eviction point: the window's own tokens, and padding): mask those
+    # columns alone rather than the whole [H, G, W, S].
+    late = (key_positions > query_positions.min()).any(0).nonzero().squeeze(1)
+    if late.numel():
+        columns = logits.index_select(-1, late)
+        future = key_positions[:, late][:, None, None, :] > query_positions[None, None, :, None]
+        logits.index_copy_(-1, late, columns.masked_fill_(future, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
     # A query older than every key still cached (possible without sinks)
     # attends to none of them: give it zero weight rather than NaN.
-    return torch.softmax(logits, dim=-1).masked_fill(future.all(-1, keepdim=True), 0.0)
+    blind = key_positions.min(-1).values[:, None] > query_positions[None, :]  # [H, W]
+    if bool(blind.any()):
+        probs.masked_fill_(blind[:, None, :, None], 0.0)
+    return probs

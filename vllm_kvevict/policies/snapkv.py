@@ -46,7 +46,7 @@ class SnapKVPolicy(EvictionPolicy):
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         probs = grouped_attention_probs(inputs)  # [H, G, W, S]
-        votes = probs.mean(dim=(1, 2))  # [H, S]
+        votes = probs.flatten(1, 2).mean(dim=1)  # [H, S]
         pad = self.kernel_size // 2
         if self.pooling == "max":
             return F.max_pool1d(votes[None], self.kernel_size, stride=1, padding=pad)[0]

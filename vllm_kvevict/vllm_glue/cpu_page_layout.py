@@ -25,14 +25,41 @@ class PageLayout:
     block_size: int
     head_dim: int
 
+    def __post_init__(self) -> None:
+        # Where a page is the logical [bs, D] or its transpose [D, bs] (vLLM's
+        # vec ISA: values, and keys), reading is a strided copy, not a gather.
+        object.__setattr__(self, "_key_order", _plain_order(self.key_index, self.block_size, self.head_dim))
+        object.__setattr__(self, "_value_order", _plain_order(self.value_index, self.block_size, self.head_dim))
+
     def read_pages(self, cache: torch.Tensor, block_ids: torch.Tensor, is_key: bool) -> torch.Tensor:
         """Pages of ``block_ids`` in logical order, ``[H, nb * bs, D]``."""
+        bs, head_dim = self.block_size, self.head_dim
+        num_blocks, num_heads = block_ids.numel(), cache.shape[1]
+        order = self._key_order if is_key else self._value_order  # type: ignore[attr-defined]
+        if order is not None:
+            pages = cache.index_select(0, block_ids.long())
+            if order == "transposed":
+                logical = pages.view(num_blocks, num_heads, head_dim, bs).transpose(-1, -2)
+            else:
+                logical = pages.view(num_blocks, num_heads, bs, head_dim)
+            return logical.permute(1, 0, 2, 3).reshape(num_heads, -1, head_dim)
         pages = cache.index_select(0, block_ids.long())  # [nb, H, bs, D] contiguous
-        num_blocks, num_heads = pages.shape[:2]
         flat = pages.view(num_blocks, num_heads, -1)
         index = self.key_index if is_key else self.value_index
-        logical = flat[..., index].view(num_blocks, num_heads, self.block_size, self.head_dim)
-        return logical.permute(1, 0, 2, 3).reshape(num_heads, -1, self.head_dim)
+        logical = flat[..., index].view(num_blocks, num_heads, bs, head_dim)
+        return logical.permute(1, 0, 2, 3).reshape(num_heads, -1, head_dim)
+
+
+def _plain_order(index: torch.Tensor, block_size: int, head_dim: int) -> str | None:
+    """``"logical"`` when page offset = logical index, ``"transposed"`` when
+    logical ``(t, d)`` sits at ``d * bs + t``, else None."""
+    logical = torch.arange(block_size * head_dim)
+    if torch.equal(index, logical):
+        return "logical"
+    t, d = logical // head_dim, logical % head_dim
+    if torch.equal(index, d * block_size + t):
+        return "transposed"
+    return None
 
 
 def probe_page_layout(block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -> PageLayout:
