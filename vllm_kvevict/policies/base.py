@@ -27,7 +27,7 @@ KV head ``j // G``, as in vLLM and transformers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -65,6 +65,9 @@ class ScoringInputs:
     output_projection: torch.Tensor | None = None  # for needs_output_projection
     log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
     step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
+    memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """Work a policy's :meth:`~EvictionPolicy.score` shares with its
+    :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
 
     @property
     def num_kv_heads(self) -> int:

@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
+from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
@@ -56,8 +56,19 @@ class MomentKVPolicy(EvictionPolicy):
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         assert inputs.evicted is not None, "momentkv needs the evicted-token statistics"
-        attention = self._attention.score(inputs)  # [H, S], pooled window attention
-        return attention * moment_residuals(inputs.keys, inputs.values, inputs.evicted, inputs.scale)
+        return self._window_attention(inputs) * moment_residuals(
+            inputs.keys, inputs.values, inputs.evicted, inputs.scale
+        )
+
+    def _window_attention(self, inputs: ScoringInputs) -> torch.Tensor:
+        """α ``[H, S]``, SnapKV's pooled window attention: computed once per
+        eviction and shared by :meth:`score` and every round of
+        :meth:`refine_scores` (it does not depend on the moments)."""
+        key = f"snapkv:{self.kernel_size}:{self.pooling}"
+        attention = inputs.memo.get(key)
+        if attention is None:
+            attention = inputs.memo[key] = self._attention.score(inputs)
+        return attention
 
     def refine_scores(
         self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
@@ -77,32 +88,38 @@ class MomentKVPolicy(EvictionPolicy):
         if self.rounds == 1:
             return scores
         assert inputs.evicted is not None
-        attention = self._attention.score(inputs)
+        attention = self._window_attention(inputs)
         candidate = torch.isfinite(scores)  # not protected (+inf), not padding (-inf)
         live = (scores > float("-inf")).sum(-1)
         to_evict = (live - counts).clamp(min=0)  # [H]
         moments = inputs.evicted
         refined = scores.clone()
-        evicted = torch.zeros_like(candidate)
+        remaining = candidate.clone()  # candidates not evicted yet
         done = torch.zeros_like(to_evict)
         for r in range(self.rounds):
             target = (to_evict * (r + 1) + self.rounds - 1) // self.rounds  # ceil, = to_evict at the end
             batch_size = target - done
-            if int(batch_size.max()) <= 0:
+            largest = int(batch_size.max())
+            if largest <= 0:
                 continue
             if r > 0:
                 current = attention * moment_residuals(inputs.keys, inputs.values, moments, inputs.scale)
-                refined = torch.where(candidate & ~evicted, current, refined)
-            ranked = torch.where(candidate & ~evicted, refined, float("inf"))
-            order = torch.sort(ranked, dim=-1, stable=True).indices
-            rank_of = torch.empty_like(order).scatter_(
-                -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-            )
-            batch = (rank_of < batch_size[:, None]) & candidate & ~evicted
+                refined = torch.where(remaining, current, refined)
+            ranked = torch.where(remaining, refined, float("inf"))
+            # Each head's batch_size[h] lowest remaining candidates (ties to
+            # the earlier slot, as a stable sort orders them).
+            lowest = torch.sort(ranked, dim=-1, stable=True).indices[:, :largest]  # [H, m]
+            in_batch = torch.arange(largest, device=scores.device) < batch_size[:, None]
+            in_batch &= remaining.gather(-1, lowest)
+            batch = torch.zeros_like(remaining).scatter_(-1, lowest, in_batch)
             refined = torch.where(batch, float(r - self.rounds), refined)
-            evicted |= batch
+            remaining &= ~batch
             done = target
-            moments = moments.folded(inputs.keys, inputs.values, batch)
+            if r + 1 < self.rounds:  # the last round's statistics are not read
+                index = lowest.unsqueeze(-1).expand(-1, -1, inputs.keys.shape[-1])
+                moments = moments.folded(
+                    inputs.keys.gather(1, index), inputs.values.gather(1, index), in_batch
+                )
         return refined
 
 
@@ -112,10 +129,16 @@ def moment_residuals(
     """``‖v_j - v̄ - τ C k_j / n‖`` per token, ``[H, S]`` (``‖v_j‖`` for a head
     that has evicted nothing); ``C`` full, diagonal or absent."""
     keys, values = keys.float(), values.float()
-    count = moments.count.float().clamp(min=1.0)[:, None, None]
-    cov_k = cross_covariance_times(moments.cross_cov.float(), keys)
-    predicted = moments.value_mean.float()[:, None, :] + scale * cov_k / count
-    empty = (moments.count <= 0)[:, None, None]
-    residual = values - torch.where(empty, torch.zeros_like(predicted), predicted)
-    return residual.norm(dim=-1)
-
+    empty = moments.count <= 0  # [H]: nothing evicted, r_j = v_j
+    mean = moments.value_mean.float().masked_fill(empty[:, None], 0.0)
+    residual = values - mean[:, None, :]
+    covariance = moments.covariance
+    if covariance != "none":
+        # τ C / n, zero for an empty head; r = v - v̄ - k (τ C / n)ᵀ in one batched matmul.
+        weight = (scale / moments.count.float().clamp(min=1.0)).masked_fill(empty, 0.0)
+        if covariance == "full":
+            slope = moments.cross_cov.float() * weight[:, None, None]
+            residual = torch.baddbmm(residual, keys, slope.transpose(-1, -2), alpha=-1.0)
+        else:
+            residual -= keys * (moments.cross_cov.float() * weight[:, None])[:, None, :]
+    return torch.linalg.vector_norm(residual, dim=-1)
