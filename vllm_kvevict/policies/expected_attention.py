@@ -65,15 +65,23 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         last = int(inputs.query_positions.max())
         rotation = averaged_rotation(inputs.rotary, last, self.num_future)
         mean_bar = mean @ rotation.T  # [Hq, D]
-        keys = inputs.keys.double().repeat_interleave(group, dim=0)  # [Hq, S, D]
-        logits = inputs.scale * torch.einsum("hd,hsd->hs", mean_bar, keys)
+        # The statistics in float64; the per-token products in fp32 (the
+        # cache's precision at most), one batched matmul per term: query
+        # head h * G + g reads KV head h.
+        keys = inputs.keys.float()  # [H, S, D]
+        num_keys = keys.shape[1]
+        logits = torch.bmm(mean_bar.float().view(num_kv_heads, group, head_dim), keys.transpose(1, 2))
         if self.use_covariance and num_queries:
             centred = queries - mean[:, None]
             cov = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-            cov_bar = rotation @ cov @ rotation.T
-            logits = logits + inputs.scale**2 / 2 * torch.einsum(
-                "hsd,hde,hse->hs", keys, cov_bar, keys
-            )
+            cov_bar = (rotation @ cov @ rotation.T).float().view(num_kv_heads, group, head_dim, head_dim)
+            # k Σ̄_g for every g at once: [H, S, D] @ [H, D, G * D]
+            spread = torch.bmm(keys, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1))
+            quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
+            logits = inputs.scale * logits + inputs.scale**2 / 2 * quadratic.transpose(1, 2)
+        else:
+            logits = inputs.scale * logits
+        logits = logits.reshape(num_q_heads, num_keys).double()
         positions = inputs.key_positions.repeat_interleave(group, dim=0)
         excluded = (positions < self.num_sink) | (positions >= PADDING_POSITION)
         probs = torch.softmax(logits.masked_fill(excluded, float("-inf")), dim=-1)
@@ -83,5 +91,5 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         num_kv_heads = inputs.keys.shape[0]
         probs = self.expected_probs(inputs)
         grouped = probs.view(num_kv_heads, -1, probs.shape[-1]).mean(dim=1)  # [H, S]
-        scores = (grouped + self.epsilon) * inputs.values.double().norm(dim=-1)
+        scores = (grouped + self.epsilon) * inputs.values.float().norm(dim=-1).double()
         return scores.masked_fill(inputs.key_positions < self.num_sink, float("inf"))
