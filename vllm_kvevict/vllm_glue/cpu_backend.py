@@ -11,7 +11,9 @@ the kernels ``attention_kernel`` names:
 * ``native``: with ``slots`` storage vLLM's C++ kernel through a block table
   and sequence lengths shifted by the (block-aligned) frontier; with
   ``head_pages`` our C++ kernel over the per-(layer, KV head) page tables
-  (:mod:`vllm_kvevict.cpu_ops`). New tokens are written by vLLM's own
+  (:mod:`vllm_kvevict.cpu_ops`) for the requests that have compacted, and
+  vLLM's for those that have not (a prompt's chunks before its end-of-prompt
+  eviction: every token still in its standard slots). New tokens are written by vLLM's own
   ``do_kv_cache_update`` in its ISA page order, which
   :class:`~vllm_kvevict.vllm_glue.cpu_head_pages.HeadPagedCache` reads
   through the probed layout;
@@ -80,6 +82,11 @@ class KVEvictCPUBackend(CPUAttentionBackend):
 @dataclasses.dataclass
 class KVEvictCPUMetadata(CPUAttentionMetadata):
     eviction: EvictionStepPlan | None = None
+    # head_pages storage, native kernel: runs of consecutive requests that
+    # have never compacted (every token in its standard slots from 0), as
+    # (first request, end request, vLLM's metadata for them): vLLM's kernel
+    # attends them, ours the rest.
+    uncompacted_runs: list[tuple[int, int, CPUAttentionMetadata]] = dataclasses.field(default_factory=list)
 
 
 class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
@@ -123,19 +130,57 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         num_tokens, length = end - start, end - frontier
         row = cm.block_table_tensor[batch_index : batch_index + 1]
         first_block = torch.tensor([frontier // self.block_size])
-        query_start_loc = torch.tensor([0, num_tokens], dtype=cm.query_start_loc.dtype)
-        segment = CommonAttentionMetadata(
+        return self._sub_batch_metadata(
+            cm, [0, num_tokens], [length], shift_block_table(row, first_block),
+            slice(first_token, first_token + num_tokens),
+        )
+
+    def _sub_batch_metadata(
+        self, cm: CommonAttentionMetadata, query_start: list[int], seq_lens: list[int],
+        block_table: torch.Tensor, tokens: slice,
+    ) -> CPUAttentionMetadata:
+        """vLLM's kernel metadata for some of the step's requests: their
+        queries (``query_start``, from 0) over ``seq_lens`` tokens of
+        ``block_table``'s rows, the step's ``tokens``."""
+        query_start_loc = torch.tensor(query_start, dtype=cm.query_start_loc.dtype)
+        num_tokens = query_start[-1]
+        sub_batch = CommonAttentionMetadata(
             query_start_loc=query_start_loc.to(cm.query_start_loc.device),
             query_start_loc_cpu=query_start_loc,
-            seq_lens=torch.tensor([length], dtype=cm.seq_lens.dtype, device=cm.seq_lens.device),
-            num_reqs=1,
+            seq_lens=torch.tensor(seq_lens, dtype=cm.seq_lens.dtype, device=cm.seq_lens.device),
+            num_reqs=len(seq_lens),
             num_actual_tokens=num_tokens,
-            max_query_len=num_tokens,
-            max_seq_len=length,
-            block_table_tensor=shift_block_table(row, first_block),
-            slot_mapping=cm.slot_mapping[first_token : first_token + num_tokens],
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=block_table,
+            slot_mapping=cm.slot_mapping[tokens],
         )
-        return super().build(0, segment)
+        return super().build(0, sub_batch)
+
+    def uncompacted_runs(
+        self, cm: CommonAttentionMetadata, plan: EvictionStepPlan
+    ) -> list[tuple[int, int, CPUAttentionMetadata]]:
+        """head_pages storage: vLLM's metadata for each run of consecutive
+        requests that have not compacted yet (region start 0: every token
+        in its standard slots, nothing in pages or moments), which vLLM's
+        kernel attends exactly as it would without eviction (a prompt's
+        chunks before its end-of-prompt eviction)."""
+        if self.storage != "head_pages" or not self.native:
+            return []
+        region = plan.region_start.tolist()
+        runs, first = [], None
+        for i in range(len(region) + 1):
+            if i < len(region) and region[i] == 0:
+                first = i if first is None else first
+                continue
+            if first is not None:
+                base = plan.query_start[first]
+                runs.append((first, i, self._sub_batch_metadata(
+                    cm, [q - base for q in plan.query_start[first : i + 1]], plan.seq_lens[first:i],
+                    cm.block_table_tensor[first:i], slice(base, plan.query_start[i]),
+                )))
+                first = None
+        return runs
 
     def build(
         self,
@@ -160,7 +205,7 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         )
         metadata = super().build(common_prefix_len, shifted, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-        return KVEvictCPUMetadata(**values, eviction=plan)
+        return KVEvictCPUMetadata(**values, eviction=plan, uncompacted_runs=self.uncompacted_runs(cm, plan))
 
 
 def shift_block_table(table: torch.Tensor, first_blocks: torch.Tensor) -> torch.Tensor:
@@ -226,6 +271,8 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         cache: Any, attn_metadata: Any, output: torch.Tensor,
     ) -> None:
+        if plan.kernel == "native" and plan.storage == "head_pages":
+            return self._attend_head_pages_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         if plan.kernel == "triton" or plan.storage != "slots":
             return super()._attend_step(
                 plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output
@@ -238,6 +285,30 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
             for i, seq_len in enumerate(plan.seq_lens):
                 tokens = slice(plan.query_start[i], plan.query_start[i + 1])
                 self._region_attention(plan, cache, i, tokens, plan.frontier_before[i], seq_len, query, output)
+
+    def _attend_head_pages_step(
+        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        cache: Any, attn_metadata: Any, output: torch.Tensor,
+    ) -> None:
+        """head_pages, native: vLLM's kernel for the runs of requests that
+        have not compacted, ours over the page tables for the others."""
+        starts, done = plan.query_start, 0
+        for first, end, metadata in [*attn_metadata.uncompacted_runs, (len(plan.seq_lens), None, None)]:
+            if first > done:  # requests [done, first) have compacted
+                tokens = slice(starts[done], starts[first])
+                self._attend_head_pages(
+                    plan, layer_index, query[tokens], cache, output[tokens],
+                    [q - starts[done] for q in starts[done : first + 1]], plan.seq_lens[done:first],
+                    slice(done, first), plan.region_start[done:first],
+                )
+            if end is None:
+                break
+            tokens = slice(starts[first], starts[end])
+            CPUAttentionBackendImpl.forward(
+                self, layer, query[tokens], key[tokens], value[tokens], kv_cache, metadata, output[tokens]
+            )
+            done = end
 
     def _attend_segment(
         self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
