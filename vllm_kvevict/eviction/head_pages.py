@@ -75,35 +75,27 @@ def gather_live(
             std_keys, std_values, std_positions.repeat(num_heads, 1),
             torch.ones(num_heads, num_standard, dtype=torch.bool, device=device), std_addresses,
         )
-    # Every head's first cdiv(longest, bs) pages in one read; a head's
-    # columns from its own length on are padding (zeros), then its standard
-    # slots are placed right after its compacted tokens.
-    num_pages = cdiv(longest, bs)
-    page_ids = pages[:, :num_pages]
-    paged_keys, paged_values = cache.read_pages(page_ids.reshape(-1), num_heads * num_pages * bs)
+    # Heads hold different numbers of compacted tokens: one read per head
+    # (with a handful of heads, faster than one padded read and scatters).
+    lengths = lens.tolist()
     width = longest + num_standard
-    column = torch.arange(width, device=device)
-    compacted = column[None, :longest] < lens[:, None]  # [H, longest]
-    live = column[None, :] < lens[:, None] + num_standard
     keys = std_keys.new_zeros(num_heads, width, head_dim)
     values = std_values.new_zeros(num_heads, width, head_dim)
-    paged_keys = paged_keys.view(num_heads, num_pages * bs, head_dim)[:, :longest]
-    paged_values = paged_values.view(num_heads, num_pages * bs, head_dim)[:, :longest]
-    keys[:, :longest] = torch.where(compacted[..., None], paged_keys, 0.0)
-    values[:, :longest] = torch.where(compacted[..., None], paged_values, 0.0)
     key_positions = torch.full((num_heads, width), PADDING_POSITION, dtype=torch.int64, device=device)
-    key_positions[:, :longest] = torch.where(
-        compacted, positions[:, :longest].to(device=device, dtype=torch.int64), PADDING_POSITION
-    )
+    live = torch.zeros(num_heads, width, dtype=torch.bool, device=device)
     addresses = torch.zeros(num_heads, width, dtype=torch.int64, device=device)
-    offsets = column[:longest]
-    paged_addresses = page_ids.long().to(device).gather(1, (offsets // bs).expand(num_heads, -1)) * bs + offsets % bs
-    addresses[:, :longest] = torch.where(compacted, paged_addresses, 0)
-    standard = lens[:, None] + torch.arange(num_standard, device=device)  # [H, n] columns
-    keys.scatter_(1, standard[..., None].expand(-1, -1, head_dim), std_keys)
-    values.scatter_(1, standard[..., None].expand(-1, -1, head_dim), std_values)
-    key_positions.scatter_(1, standard, std_positions.expand(num_heads, -1))
-    addresses.scatter_(1, standard, std_addresses)
+    compacted = torch.arange(longest, device=device)
+    for h, length in enumerate(lengths):
+        if length:
+            keys[h, :length], values[h, :length] = cache.read_pages(pages[h], length)
+            key_positions[h, :length] = positions[h, :length]
+            addresses[h, :length] = pages[h, compacted[:length] // bs].long() * bs + compacted[:length] % bs
+        end = length + num_standard
+        keys[h, length:end] = std_keys[h]
+        values[h, length:end] = std_values[h]
+        key_positions[h, length:end] = std_positions
+        addresses[h, length:end] = std_addresses[h]
+        live[h, :end] = True
     return LiveTokens(keys, values, key_positions, live, addresses)
 
 
