@@ -1,13 +1,14 @@
-"""Where a serving engine's time goes: py-spy samples of vLLM's engine-core
-process while ``kvevict bench`` loads it, summed by function.
+"""Where a serving engine's time goes: py-spy samples of vLLM's worker
+process (the one that runs the model) while ``kvevict bench`` loads it,
+summed by function.
 
     pip install py-spy
     PYTHONSAFEPATH=1 python benchmarks/serving_profile.py --setting adakv_snapkv@0.25 \\
         --seconds 90 --out results/profile_adakv -- --requests 8 --max-tokens 128
 
 Everything after ``--`` goes to ``kvevict bench`` (one ``--setting``, this
-one). Once the engine core of that setting's server is up and the load has
-started, py-spy records it (``--rate`` samples per second, ``--seconds``
+one). Once the worker of that setting's server is up and the load has
+started, py-spy records its worker (``--rate`` samples per second, ``--seconds``
 long, native frames off: a C++ or OpenMP kernel counts to the Python
 function that called it). Printed: for each function, the share of samples in
 which it is on the stack (inclusive) and at the top (self), the engine's
@@ -26,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-# A sample is busy when the engine core is inside one of its steps (not
-# waiting on its input queue for work).
-BUSY = ("vllm.v1.engine.core.step", "vllm.v1.engine.core.step_with_batch_queue")
+# A sample is busy when the worker is inside a model step (not waiting for
+# the engine core's next request).
+BUSY = ("execute_model", "sample_tokens")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -45,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return parser.parse_args(own), bench_args
 
 
-def engine_core_pids(parent: int) -> list[int]:
-    """vLLM's engine-core processes below ``parent``."""
+def worker_pids(parent: int) -> list[int]:
+    """vLLM's worker processes (``VLLM::Worker``) below ``parent``."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -57,7 +58,7 @@ def engine_core_pids(parent: int) -> list[int]:
         except OSError:
             continue
         name = status.split("\n", 1)[0]
-        if "EngineCore" in name or "EngineCore" in cmdline:
+        if "VLLM::Worker" in name or "VLLM::Worker" in cmdline:
             if _descends(int(proc.name), parent):
                 found.append(int(proc.name))
     return found
@@ -85,7 +86,7 @@ def summarize(stacks: Path, top: int) -> str:
             continue
         count = int(count_text)
         frames = [_short(frame) for frame in frames_text.split(";")]
-        if not any(frame.endswith(BUSY) for frame in frames):
+        if not any(frame.rsplit(".", 1)[-1] in BUSY for frame in frames):
             continue  # waiting for work
         busy += count
         for frame in set(frames):
@@ -101,7 +102,7 @@ def _short(frame: str) -> str:
     """``function (path/to/module.py:line)`` → ``module.function``."""
     function, _, where = frame.partition(" (")
     path = where.split(":")[0]
-    for marker in ("site-packages/", "vllm_kvevict/", "/work/"):
+    for marker in ("site-packages/", "/work/main/"):
         if marker in path:
             path = path.split(marker, 1)[1]
     module = path.removesuffix(".py").replace("/", ".")
@@ -125,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         pids: list[int] = []
         while bench.poll() is None:
             time.sleep(2)
-            pids = engine_core_pids(bench.pid)
+            pids = worker_pids(bench.pid)
             if pids and _health(out):
                 break
         if bench.poll() is not None or not pids:
-            print("serving_profile: the bench ended before its engine core was found", file=sys.stderr)
+            print("serving_profile: the bench ended before its worker was found", file=sys.stderr)
             return 1
         time.sleep(args.delay)
         stacks = out / "stacks.txt"
