@@ -28,6 +28,7 @@ the kernels ``attention_kernel`` names:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -82,11 +83,11 @@ class KVEvictCPUBackend(CPUAttentionBackend):
 @dataclasses.dataclass
 class KVEvictCPUMetadata(CPUAttentionMetadata):
     eviction: EvictionStepPlan | None = None
-    # head_pages storage, native kernel: runs of consecutive requests that
-    # have never compacted (every token in its standard slots from 0), as
-    # (first request, end request, vLLM's metadata for them): vLLM's kernel
-    # attends them, ours the rest.
-    uncompacted_runs: list[tuple[int, int, CPUAttentionMetadata]] = dataclasses.field(default_factory=list)
+    # head_pages storage, native kernel: the batch in runs of consecutive
+    # requests, (first request, end request, vLLM's metadata for them or
+    # None): vLLM's kernel attends a run that has never compacted (every
+    # token in its standard slots from 0), ours over the page tables the others.
+    attention_runs: list[tuple[int, int, CPUAttentionMetadata | None]] = dataclasses.field(default_factory=list)
 
 
 class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
@@ -157,29 +158,27 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         )
         return super().build(0, sub_batch)
 
-    def uncompacted_runs(
+    def attention_runs(
         self, cm: CommonAttentionMetadata, plan: EvictionStepPlan
-    ) -> list[tuple[int, int, CPUAttentionMetadata]]:
-        """head_pages storage: vLLM's metadata for each run of consecutive
-        requests that have not compacted yet (region start 0: every token
-        in its standard slots, nothing in pages or moments), which vLLM's
-        kernel attends exactly as it would without eviction (a prompt's
-        chunks before its end-of-prompt eviction)."""
+    ) -> list[tuple[int, int, CPUAttentionMetadata | None]]:
+        """head_pages storage: the batch in runs of consecutive requests, with
+        vLLM's metadata for each run that has not compacted yet (region start
+        0: every token in its standard slots, nothing in pages or moments),
+        which vLLM's kernel attends exactly as it would without eviction (a
+        prompt's chunks before its end-of-prompt eviction); None for the runs
+        our kernel attends over their page tables."""
         if self.storage != "head_pages" or not self.native:
             return []
-        region = plan.region_start.tolist()
-        runs, first = [], None
-        for i in range(len(region) + 1):
-            if i < len(region) and region[i] == 0:
-                first = i if first is None else first
-                continue
-            if first is not None:
-                base = plan.query_start[first]
-                runs.append((first, i, self._sub_batch_metadata(
-                    cm, [q - base for q in plan.query_start[first : i + 1]], plan.seq_lens[first:i],
-                    cm.block_table_tensor[first:i], slice(base, plan.query_start[i]),
-                )))
-                first = None
+        region, starts = plan.region_start.tolist(), plan.query_start
+        runs: list[tuple[int, int, CPUAttentionMetadata | None]] = []
+        for uncompacted, group in itertools.groupby(range(len(region)), key=lambda i: region[i] == 0):
+            requests = list(group)
+            first, end = requests[0], requests[-1] + 1
+            metadata = self._sub_batch_metadata(
+                cm, [q - starts[first] for q in starts[first : end + 1]], plan.seq_lens[first:end],
+                cm.block_table_tensor[first:end], slice(starts[first], starts[end]),
+            ) if uncompacted else None
+            runs.append((first, end, metadata))
         return runs
 
     def build(
@@ -205,7 +204,7 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         )
         metadata = super().build(common_prefix_len, shifted, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-        return KVEvictCPUMetadata(**values, eviction=plan, uncompacted_runs=self.uncompacted_runs(cm, plan))
+        return KVEvictCPUMetadata(**values, eviction=plan, attention_runs=self.attention_runs(cm, plan))
 
 
 def shift_block_table(table: torch.Tensor, first_blocks: torch.Tensor) -> torch.Tensor:
@@ -272,7 +271,9 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         cache: Any, attn_metadata: Any, output: torch.Tensor,
     ) -> None:
         if plan.kernel == "native" and plan.storage == "head_pages":
-            return self._attend_head_pages_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
+            return self._attend_head_pages_step(
+                plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output
+            )
         if plan.kernel == "triton" or plan.storage != "slots":
             return super()._attend_step(
                 plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output
@@ -291,24 +292,21 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         cache: Any, attn_metadata: Any, output: torch.Tensor,
     ) -> None:
-        """head_pages, native: vLLM's kernel for the runs of requests that
-        have not compacted, ours over the page tables for the others."""
-        starts, done = plan.query_start, 0
-        for first, end, metadata in [*attn_metadata.uncompacted_runs, (len(plan.seq_lens), None, None)]:
-            if first > done:  # requests [done, first) have compacted
-                tokens = slice(starts[done], starts[first])
+        """head_pages, native: each run of the batch through vLLM's kernel
+        (not compacted yet) or ours over the page tables."""
+        starts = plan.query_start
+        for first, end, metadata in attn_metadata.attention_runs:
+            tokens = slice(starts[first], starts[end])
+            if metadata is not None:
+                CPUAttentionBackendImpl.forward(
+                    self, layer, query[tokens], key[tokens], value[tokens], kv_cache, metadata, output[tokens]
+                )
+            else:
                 self._attend_head_pages(
                     plan, layer_index, query[tokens], cache, output[tokens],
-                    [q - starts[done] for q in starts[done : first + 1]], plan.seq_lens[done:first],
-                    slice(done, first), plan.region_start[done:first],
+                    [q - starts[first] for q in starts[first : end + 1]], plan.seq_lens[first:end],
+                    slice(first, end), plan.region_start[first:end],
                 )
-            if end is None:
-                break
-            tokens = slice(starts[first], starts[end])
-            CPUAttentionBackendImpl.forward(
-                self, layer, query[tokens], key[tokens], value[tokens], kv_cache, metadata, output[tokens]
-            )
-            done = end
 
     def _attend_segment(
         self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,

@@ -10,7 +10,7 @@ so only reading needs the learned index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm import _custom_ops as ops
@@ -25,28 +25,28 @@ class PageLayout:
     block_size: int
     head_dim: int
 
+    # Where a page is the logical [bs, D] or its transpose [D, bs] (vLLM's
+    # vec ISA: values, and keys), reading is a strided copy, not a gather.
+    key_order: str | None = field(init=False)
+    value_order: str | None = field(init=False)
+
     def __post_init__(self) -> None:
-        # Where a page is the logical [bs, D] or its transpose [D, bs] (vLLM's
-        # vec ISA: values, and keys), reading is a strided copy, not a gather.
-        object.__setattr__(self, "_key_order", _plain_order(self.key_index, self.block_size, self.head_dim))
-        object.__setattr__(self, "_value_order", _plain_order(self.value_index, self.block_size, self.head_dim))
+        object.__setattr__(self, "key_order", _plain_order(self.key_index, self.block_size, self.head_dim))
+        object.__setattr__(self, "value_order", _plain_order(self.value_index, self.block_size, self.head_dim))
 
     def read_pages(self, cache: torch.Tensor, block_ids: torch.Tensor, is_key: bool) -> torch.Tensor:
         """Pages of ``block_ids`` in logical order, ``[H, nb * bs, D]``."""
         bs, head_dim = self.block_size, self.head_dim
-        num_blocks, num_heads = block_ids.numel(), cache.shape[1]
-        order = self._key_order if is_key else self._value_order  # type: ignore[attr-defined]
-        if order is not None:
-            pages = cache.index_select(0, block_ids.long())
-            if order == "transposed":
-                logical = pages.view(num_blocks, num_heads, head_dim, bs).transpose(-1, -2)
-            else:
-                logical = pages.view(num_blocks, num_heads, bs, head_dim)
-            return logical.permute(1, 0, 2, 3).reshape(num_heads, -1, head_dim)
         pages = cache.index_select(0, block_ids.long())  # [nb, H, bs, D] contiguous
-        flat = pages.view(num_blocks, num_heads, -1)
-        index = self.key_index if is_key else self.value_index
-        logical = flat[..., index].view(num_blocks, num_heads, bs, head_dim)
+        num_blocks, num_heads = pages.shape[:2]
+        order = self.key_order if is_key else self.value_order
+        if order == "transposed":
+            logical = pages.view(num_blocks, num_heads, head_dim, bs).transpose(-1, -2)
+        elif order == "logical":
+            logical = pages
+        else:
+            index = self.key_index if is_key else self.value_index
+            logical = pages.view(num_blocks, num_heads, -1)[..., index].view(num_blocks, num_heads, bs, head_dim)
         return logical.permute(1, 0, 2, 3).reshape(num_heads, -1, head_dim)
 
 
