@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
@@ -131,14 +131,8 @@ def moment_residuals(
     keys, values = keys.float(), values.float()
     empty = moments.count <= 0  # [H]: nothing evicted, r_j = v_j
     mean = moments.value_mean.float().masked_fill(empty[:, None], 0.0)
-    residual = values - mean[:, None, :]
-    covariance = moments.covariance
-    if covariance != "none":
-        # τ C / n, zero for an empty head; r = v - v̄ - k (τ C / n)ᵀ in one batched matmul.
-        weight = (scale / moments.count.float().clamp(min=1.0)).masked_fill(empty, 0.0)
-        if covariance == "full":
-            slope = moments.cross_cov.float() * weight[:, None, None]
-            residual = torch.baddbmm(residual, keys, slope.transpose(-1, -2), alpha=-1.0)
-        else:
-            residual -= keys * (moments.cross_cov.float() * weight[:, None])[:, None, :]
+    # τ C / n at C's rank, zero for an empty head
+    weight = (scale / moments.count.float().clamp(min=1.0)).masked_fill(empty, 0.0)
+    slope = moments.cross_cov.float() * weight.view(-1, *[1] * (moments.cross_cov.dim() - 1))
+    residual = values - mean[:, None, :] - cross_covariance_times(slope, keys)
     return torch.linalg.vector_norm(residual, dim=-1)
