@@ -199,8 +199,12 @@ def test_projected_value_norms_equal_loop(seed):
     group (the authors' GQA convention), not the KV head's slice."""
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen)
-    norms = projected_value_norms(inputs.values, inputs.output_projection)
     heads, live, _ = inputs.values.shape
+    norms = projected_value_norms(inputs.values, inputs.output_projection)
+    # Only some tokens, a different number per head (CriticalKV's stage-2
+    # candidates): those equal the full computation, the rest are 0.
+    tokens = torch.rand(heads, live, generator=gen) < torch.rand(heads, 1, generator=gen)
+    some = projected_value_norms(inputs.values, inputs.output_projection, tokens)
     group = inputs.output_projection.shape[0] // heads
     for h in range(heads):
         for j in range(live):
@@ -209,6 +213,7 @@ def test_projected_value_norms_equal_loop(seed):
                 for g in range(group)
             ) / group
             assert math.isclose(float(norms[h, j]), want, rel_tol=1e-5)
+            assert math.isclose(float(some[h, j]), want if tokens[h, j] else 0.0, rel_tol=1e-5)
 
 
 def _single_query_inputs(gen, live=64, dim=16, d_model=32):

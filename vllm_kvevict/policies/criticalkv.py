@@ -16,29 +16,40 @@ BASES: dict[str, type[EvictionPolicy]] = {
 }
 
 
-def projected_value_norms(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
+def projected_value_norms(
+    values: torch.Tensor, output_projection: torch.Tensor, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """``mean over the group's query heads of ‖v_j W_O[hq]‖₁``, ``[H, S]`` fp32.
 
     ``values [H, S, D]``; ``output_projection [Hq, D, d_model]``: query head
     ``hq``'s rows of the layer's output projection (``o_proj.weight.T``).
-    One KV head at a time, and on a CPU 128 tokens at a time: the
+    ``tokens [H, S]`` bool: only these are computed, the rest are 0 (default:
+    all). One KV head at a time, and on a CPU 128 tokens at a time: the
     ``[128, G * d_model]`` product stays in the CPU's cache (the whole
     ``[G, S, d_model]`` would not; 3x faster on the default model).
     """
     num_kv_heads, num_tokens, head_dim = values.shape
     group = output_projection.shape[0] // num_kv_heads
     d_model = output_projection.shape[-1]
-    norms = torch.empty(num_kv_heads, num_tokens, dtype=torch.float32, device=values.device)
-    step = _TOKENS_PER_PRODUCT if values.device.type == "cpu" else max(num_tokens, 1)
+    if tokens is None:
+        norms = torch.empty(num_kv_heads, num_tokens, dtype=torch.float32, device=values.device)
+    else:
+        norms = torch.zeros(num_kv_heads, num_tokens, dtype=torch.float32, device=values.device)
     for h in range(num_kv_heads):
         # [D, G * d_model]: the group's W_O slices side by side
         slices = output_projection[h * group : (h + 1) * group].float().permute(1, 0, 2).reshape(head_dim, -1)
-        head_values = values[h].float()
-        for start in range(0, num_tokens, step):
+        index = None if tokens is None else tokens[h].nonzero().flatten()
+        head_values = (values[h] if index is None else values[h, index]).float()
+        count = head_values.shape[0]
+        head_norms = norms[h] if index is None else torch.empty(count, dtype=torch.float32, device=values.device)
+        step = _TOKENS_PER_PRODUCT if values.device.type == "cpu" else max(count, 1)
+        for start in range(0, count, step):
             projected = head_values[start : start + step] @ slices
-            norms[h, start : start + step] = (
+            head_norms[start : start + step] = (
                 projected.abs_().view(-1, group, d_model).sum(-1).mean(-1)
             )
+        if index is not None:
+            norms[h, index] = head_norms
     return norms
 
 
@@ -107,7 +118,10 @@ class CriticalKVPolicy(EvictionPolicy):
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
         first = rank < stage_one[:, None]
-        norms = projected_value_norms(inputs.values, inputs.output_projection)
+        # Only stage 2's candidates are ranked by the norm: not stage 1, not
+        # protected (+inf), not padding (-inf).
+        candidates = ~first & torch.isfinite(scores)
+        norms = projected_value_norms(inputs.values, inputs.output_projection, candidates)
         refined = (scores.float() + self.epsilon) * norms
         refined = refined.masked_fill(first | (scores == float("inf")), float("inf"))
         return refined.masked_fill(scores == float("-inf"), float("-inf"))
