@@ -12,7 +12,9 @@
 //     (t, d) at t * D + d of the K (V) page;
 //   * standard-region head-pages (block_table[r, s / bs] * H + h) are in
 //     vLLM's ISA layout: element (t, d) at key_offsets[t * D + d] of the K
-//     page, value_offsets[t * D + d] of the V page.
+//     page, value_offsets[t * D + d] of the V page; so are those of a
+//     protected prefix (prefix_lens[r]: the slots [0, prefix_lens[r]) of the
+//     block table, read before the compacted pages and seen by every query).
 //
 // Scheme. The work is cut into items (request, KV head, tile of <= 32 query
 // tokens, chunk of pages), pulled by torch's threads from a shared counter.
@@ -797,7 +799,7 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                           const std::optional<at::Tensor>& moment_value_mean,
                           const std::optional<at::Tensor>& moment_cross_cov,
                           const std::optional<at::Tensor>& moment_rows, at::Tensor& out,
-                          at::Tensor& lse) {
+                          at::Tensor& lse, const std::optional<at::Tensor>& prefix_lens) {
   // ---- shapes and dtypes
   TORCH_CHECK(query.dim() == 3 && query.device().is_cpu(), "query must be a CPU [T, Hq, D] tensor");
   TORCH_CHECK(query.stride(2) == 1, "query's last dimension must be contiguous");
@@ -836,6 +838,12 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   const IntView hl = int_view(head_lens, "head_lens");
   const IntView hpt = int_view(head_page_table, "head_page_table");
   const IntView bt = int_view(block_table, "block_table");
+  const bool has_prefix = prefix_lens.has_value() && prefix_lens->defined();
+  IntView pl;
+  if (has_prefix) {
+    TORCH_CHECK(prefix_lens->numel() == R, "prefix_lens must have R entries");
+    pl = int_view(*prefix_lens, "prefix_lens");
+  }
   const OffsetTable ko = checked_offsets(key_offsets, bs, D, "key_offsets");
   const OffsetTable vo = checked_offsets(value_offsets, bs, D, "value_offsets");
 
@@ -921,8 +929,21 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     const int64_t moment_row = has_moments ? srows[r] : -1;
     TORCH_CHECK(moment_row >= -1 && moment_row < num_moment_rows, "request ", r,
                 ": moment row ", moment_row, " out of range");
+    const int64_t prefix = has_prefix ? pl[r] : 0;
+    TORCH_CHECK(prefix >= 0 && prefix <= std::min(start, seq_len - (last - first)), "request ", r,
+                ": prefix_lens ", prefix, " must lie before its region and its queries");
+    TORCH_CHECK(prefix == 0 || (prefix - 1) / bs < max_blocks, "request ", r, ": prefix_lens ",
+                prefix, " needs more blocks than block_table has");
     for (int64_t h = 0; h < H; ++h) {
       const int64_t seg_begin = static_cast<int64_t>(segs.size());
+      // The protected prefix: standard slots [0, prefix), before every query.
+      for (int64_t b = 0; b * bs < prefix; ++b) {
+        const int64_t block = bt[r * max_blocks + b];
+        TORCH_CHECK(block >= 0 && block < NB, "request ", r, ": block id ", block,
+                    " outside [0, ", NB, ")");
+        segs.push_back({(block * H + h) * 2 * bs * D, 0,
+                        static_cast<int32_t>(std::min(bs, prefix - b * bs)), b * bs, true});
+      }
       const int64_t length = hl[r * H + h];
       TORCH_CHECK(length >= 0 && length <= max_pages * bs, "request ", r, " head ", h,
                   ": head_lens ", length, " exceeds its page table");
@@ -1048,5 +1069,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("region_start"), py::arg("key_offsets"), py::arg("value_offsets"),
         py::arg("scale"), py::arg("moment_count"), py::arg("moment_key_mean"),
         py::arg("moment_value_mean"), py::arg("moment_cross_cov"), py::arg("moment_rows"),
-        py::arg("out"), py::arg("lse"), py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("lse"), py::arg("prefix_lens") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -68,6 +69,7 @@ class Case:
     scale: float
     summary: EvictedMoments | None
     summary_rows: torch.Tensor | None
+    prefix_lens: torch.Tensor | None = None
 
     def batch(self, **tables: torch.Tensor) -> HeadPagedBatch:
         """The case's batch, with ``tables`` (page table, lengths) replaced."""
@@ -75,7 +77,7 @@ class Case:
             head_page_table=self.head_page_table, head_lens=self.head_lens,
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
             block_table=self.block_table, region_start=self.region_start,
-            moments=self.summary, moment_rows=self.summary_rows,
+            moments=self.summary, moment_rows=self.summary_rows, prefix_lens=self.prefix_lens,
         )
         return HeadPagedBatch(**{**fields, **tables})
 
@@ -108,22 +110,26 @@ def make_case(
     spare_blocks: int = 3,
     index_dtype: torch.dtype = torch.int32,
     pad_tokens: int = 0,
+    prefix_lens: list[int] | None = None,
 ) -> Case:
     """A batch whose every unreferenced cache element (whole head-pages not in
-    any table, standard slots outside ``[region_start, seq_len)``, compacted
-    page tails past ``head_lens``) holds ``poison``, in the logical caches and
-    in the CPU-layout cache alike."""
+    any table, standard slots outside ``[region_start, seq_len)`` and the
+    protected prefix ``[0, prefix_lens[r])``, compacted page tails past
+    ``head_lens``) holds ``poison``, in the logical caches and in the
+    CPU-layout cache alike."""
     gen = torch.Generator().manual_seed(seed)
     num_requests = len(queries)
     num_heads = len(head_lens[0])
     bs, dim = page_size, head_dim
     layout = _layout(bs, dim, dtype, isa)
+    prefixes = prefix_lens or [0] * num_requests
 
-    # Blocks: each request's standard blocks, then blocks whose head-pages the
-    # compacted tokens use (any slot for any head), then spare ones.
+    # Blocks: each request's standard blocks (its prefix's, then its
+    # region's), then blocks whose head-pages the compacted tokens use (any
+    # slot for any head), then spare ones.
     std_blocks = [
-        list(range(start // bs, -(-seq // bs))) if seq > start else []
-        for seq, start in zip(seq_lens, region_starts)
+        list(range(-(-prefix // bs))) + (list(range(start // bs, -(-seq // bs))) if seq > start else [])
+        for seq, start, prefix in zip(seq_lens, region_starts, prefixes)
     ]
     compacted_pages = sum(-(-n // bs) for lens in head_lens for n in lens)
     num_std = sum(len(b) for b in std_blocks)
@@ -154,7 +160,7 @@ def make_case(
             n = head_lens[r][h]
             for i in range(-(-n // bs)):
                 referenced[int(head_page_table[r, h, i]), : min(bs, n - i * bs)] = True
-        for slot in range(region_starts[r], seq_lens[r]):
+        for slot in [*range(prefixes[r]), *range(region_starts[r], seq_lens[r])]:
             block = int(block_table[r, slot // bs])
             referenced[block * num_heads : (block + 1) * num_heads, slot % bs] = True
     referenced = referenced.view(num_blocks, num_heads, bs)
@@ -222,6 +228,7 @@ def make_case(
         scale=1.0 / math.sqrt(dim),
         summary=summaries,
         summary_rows=rows,
+        prefix_lens=idx(torch.tensor(prefix_lens)) if prefix_lens is not None else None,
     )
 
 
@@ -316,6 +323,31 @@ def test_matches_reference(shape, path, request):
         )
         out, lse = run_native(case) if path == "native" else run_torch(case)
         check(case, out, lse)
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_protected_prefix_matches_reference(isa, path, request):
+    """A protected prefix (prefix_caching shared): the slots [0, p) of the
+    block table, in vLLM's page layout, read by every query before the
+    compacted tokens; requests without one (p = 0), a region that starts
+    right after it, and one far after it (the blocks between freed: poison)."""
+    if path == "native":
+        request.getfixturevalue("native")
+    bs = 16
+    for seed in range(3):
+        case = make_case(
+            seed, queries=[1, 5, 1, 20], seq_lens=[200, 130, 97, 180],
+            region_starts=[150, 64, 90, 100], prefix_lens=[64, 64, 0, 96],
+            head_lens=[[40, 0, 77], [16, 33, 5], [0, 0, 0], [100, 3, 48]],
+            group=3, head_dim=64, page_size=bs, isa=isa, summary="random",
+        )
+        out, lse = run_native(case) if path == "native" else run_torch(case)
+        check(case, out, lse)
+        # the prefix counts: without it the outputs differ
+        without = dataclasses.replace(case, prefix_lens=None)
+        out_without, _ = run_native(without) if path == "native" else run_torch(without)
+        assert not torch.allclose(out_without[:7], out[:7])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 7])

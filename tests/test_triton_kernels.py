@@ -188,6 +188,7 @@ class AttentionCase:
     scale: float
     summary: EvictedMoments | None
     summary_rows: torch.Tensor | None
+    prefix_lens: torch.Tensor | None = None
 
     def args(self):
         batch = HeadPagedBatch(
@@ -199,6 +200,7 @@ class AttentionCase:
             self.region_start,
             self.summary,
             self.summary_rows,
+            self.prefix_lens,
         )
         return self.query, self.key_cache, self.value_cache, batch, self.scale
 
@@ -215,18 +217,22 @@ def make_attention_case(
     summary: str,
     strided: bool | str,
     max_compacted: int,
+    prefixes: list[int] | None = None,
 ) -> AttentionCase:
     """``requests``: ``(query_len, region_start, seq_len)`` each. Compacted
     lengths are random in ``[0, max_compacted]`` and include a zero and a
-    whole number of pages; every page no table points to is NaN."""
+    whole number of pages; every page no table points to is NaN.
+    ``prefixes``: each request's protected prefix, slots ``[0, p)`` (whole pages)."""
     gen = torch.Generator().manual_seed(seed)
     num_requests = len(requests)
+    prefix_list = prefixes or [0] * num_requests
     head_lens = torch.randint(0, max_compacted + 1, (num_requests, heads), generator=gen)
     head_lens.view(-1)[0] = 0
     head_lens.view(-1)[-1] = page_size * max(1, max_compacted // page_size)
     compacted_pages = [[-(-int(n) // page_size) for n in row] for row in head_lens]
     region_blocks = [
-        list(range(start // page_size, -(-seq_len // page_size))) for _, start, seq_len in requests
+        list(range(prefix // page_size)) + list(range(start // page_size, -(-seq_len // page_size)))
+        for (_, start, seq_len), prefix in zip(requests, prefix_list)
     ]
     num_region_blocks = sum(len(b) for b in region_blocks)
     num_compacted_pages = sum(sum(p) for p in compacted_pages)
@@ -261,6 +267,8 @@ def make_attention_case(
             block_table[r, column] = block
             first = max(start, column * page_size) - column * page_size
             last = min(seq_len, (column + 1) * page_size) - column * page_size
+            if column < prefix_list[r] // page_size:
+                first, last = 0, page_size  # a whole prefix page
             for h in range(heads):
                 fill(block, h, slice(first, last))
         for h in range(heads):
@@ -294,6 +302,7 @@ def make_attention_case(
         scale=1.0 / math.sqrt(head_dim),
         summary=summary_state,
         summary_rows=summary_rows,
+        prefix_lens=to(torch.tensor(prefix_list, dtype=torch.int32)) if prefixes is not None else None,
     )
 
 
@@ -382,6 +391,26 @@ def test_head_paged_attention_sweep(group: int, head_dim: int, page_size: int) -
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, ref_out, **tol)
     torch.testing.assert_close(lse, ref_lse, **tol)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_head_paged_attention_reads_the_protected_prefix(strided: bool) -> None:
+    """A protected prefix (whole pages at the start of the block table, seen
+    by every query; the slots between it and the region freed, NaN) folded
+    into the page tables: the kernel equals the reference, which reads it as
+    standard slots, and differs from reading without it."""
+    case = make_attention_case(
+        11, heads=2, group=3, head_dim=64, page_size=16, dtype=torch.float32,
+        requests=[(1, 80, 130), (4, 32, 60), (1, 40, 70)], summary="random", strided=strided,
+        max_compacted=50, prefixes=[32, 32, 0],
+    )
+    out, lse = hpa.head_paged_attention(*case.args(), num_splits=2)
+    ref_out, ref_lse = hpa.head_paged_attention_reference(*case.args())
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    case.prefix_lens = None
+    assert not torch.allclose(hpa.head_paged_attention(*case.args(), num_splits=2)[0][:5], out[:5])
 
 
 def test_head_paged_attention_splits_agree() -> None:

@@ -5,6 +5,10 @@ Storage (one layer). A vLLM block ``b`` holds one *head-page* per KV-head slot
 ``s``: ``page = b * H + s``, ``page_size`` tokens of ``D`` values. A request's
 KV head ``h`` reads, in order:
 
+0. optionally its *protected prefix*: the slots ``[0, prefix_lens[r])`` of the
+   request's block table (laid out as the standard region below), which
+   every query sees (they lie before every query: a prompt's first blocks,
+   shared through vLLM's prefix cache and never evicted);
 1. its *compacted* tokens: ``head_lens[r, h]`` tokens filling the pages
    ``head_page_table[r, h, :]`` in order (a page of any slot ``s``: heads that
    keep more tokens borrow the head-pages of heads that keep fewer). They were
@@ -48,6 +52,7 @@ class HeadPagedBatch:
     region_start: torch.Tensor | None = None  # [R] first standard slot; attention only
     moments: EvictedMoments | None = None  # [N, H, ...] rows
     moment_rows: torch.Tensor | None = None  # [R]
+    prefix_lens: torch.Tensor | None = None  # [R] protected prefix slots [0, p); attention only
 
     @property
     def has_moments(self) -> bool:

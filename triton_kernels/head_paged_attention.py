@@ -9,6 +9,8 @@ semantics.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_kvevict.cpu_ops import attend_head_tokens
@@ -486,6 +488,34 @@ def choose_num_splits(
     return max(1, splits)
 
 
+def prefix_as_pages(batch: HeadPagedBatch, num_kv_heads: int, page_size: int) -> HeadPagedBatch:
+    """``batch`` with each request's protected prefix (whole pages, read by
+    every query) moved into the front of its heads' page tables: in the
+    logical cache a standard block's head-pages are pages like the compacted
+    ones. No host sync: the tables widen by the block table's width."""
+    assert batch.prefix_lens is not None and batch.block_table is not None
+    prefix_pages = (batch.prefix_lens.to(torch.int64) // page_size)[:, None, None]  # [R, 1, 1]
+    num_requests, _, width = batch.head_page_table.shape
+    max_blocks = batch.block_table.shape[1]
+    column = torch.arange(max_blocks + width, device=batch.head_page_table.device)[None, None, :]
+    heads = torch.arange(num_kv_heads, device=column.device)[None, :, None]
+    from_prefix = batch.block_table.to(torch.int64)[:, None, :] * num_kv_heads + heads  # [R, H, max_blocks]
+    padded_prefix = torch.nn.functional.pad(from_prefix, (0, width))
+    padded_own = torch.nn.functional.pad(batch.head_page_table.to(torch.int64), (0, max_blocks))
+    own_column = (column - prefix_pages).clamp(min=0).expand(num_requests, num_kv_heads, -1)
+    table = torch.where(
+        column < prefix_pages,
+        padded_prefix.expand(num_requests, num_kv_heads, -1),
+        padded_own.gather(2, own_column),
+    )
+    return dataclasses.replace(
+        batch,
+        head_page_table=table.to(batch.head_page_table.dtype),
+        head_lens=batch.head_lens + batch.prefix_lens.to(batch.head_lens.dtype)[:, None],
+        prefix_lens=None,
+    )
+
+
 def head_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -522,6 +552,8 @@ def head_paged_attention(
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not match cache {tuple(key_cache.shape)}")
     group = num_q_heads // num_kv_heads
+    if batch.prefix_lens is not None:
+        batch = prefix_as_pages(batch, num_kv_heads, page_size)
     query_start_loc, seq_lens, block_table, region_start = batch.for_attention()
     head_page_table, head_lens = batch.head_page_table, batch.head_lens
     num_requests = seq_lens.shape[0]

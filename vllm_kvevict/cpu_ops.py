@@ -451,25 +451,33 @@ def attend_head_tokens(
     ``read_head_tokens(r, h, length, region_start, seq_len)`` returns head
     ``h``'s keys and values: its ``length`` compacted tokens, then its standard
     slots ``[region_start, seq_len)``; callers differ only in where those live.
+    A protected prefix (``batch.prefix_lens``) is read as the standard slots
+    ``[0, prefix)`` with no compacted tokens, before the rest.
     """
     query_start_loc, seq_lens, _, region_start = batch.for_attention()
     num_q_heads = query.shape[1]
     group = num_q_heads // num_kv_heads
     starts = query_start_loc.tolist()
     seq_list, region_list, lens = seq_lens.tolist(), region_start.tolist(), batch.head_lens.tolist()
+    prefixes = batch.prefix_lens.tolist() if batch.prefix_lens is not None else [0] * len(seq_list)
     rows = batch.moment_rows.tolist() if batch.has_moments else None
     for r in range(len(starts) - 1):
         first, last = starts[r], starts[r + 1]
         if last == first:
             continue
-        seq_len, start = int(seq_list[r]), int(region_list[r])
+        seq_len, start, prefix = int(seq_list[r]), int(region_list[r]), int(prefixes[r])
         positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
         for h in range(num_kv_heads):
             length = int(lens[r][h])
             keys, values = read_head_tokens(r, h, length, start, seq_len)
+            if prefix:
+                prefix_keys, prefix_values = read_head_tokens(r, h, 0, 0, prefix)
+                keys, values = torch.cat([prefix_keys, keys]), torch.cat([prefix_values, values])
+                length += prefix
             q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
             logits = torch.einsum("tgd,sd->tgs", q, keys.float()) * scale
-            # Compacted tokens are visible to every query, standard slots causally.
+            # The prefix and the compacted tokens are visible to every query,
+            # standard slots causally.
             slot = torch.arange(keys.shape[0], device=query.device) - length + start
             visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
             logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
@@ -619,6 +627,7 @@ def head_paged_attention(
         batch.moment_rows.contiguous() if moments is not None else None,
         out,
         lse,
+        batch.prefix_lens.contiguous() if batch.prefix_lens is not None else None,
     )
     return out, lse
 
