@@ -105,7 +105,7 @@ def main() -> None:
         budget = max(64, int(args.fraction * context) // bs * bs)
         config = build_config({**SELECTION, "budget": budget})
         rule = KeepRule.from_config(config)
-        frontier = config.schedule(bs, bs).frontier_at_point(context)
+        frontier = config.schedule(bs, bs).frontier_at_point(context, context)
         for index, store in enumerate(state.layers):
             scale = float(decoder.model.model.layers[index].self_attn.scaling)
             keys, values = store.keys[:, :context], store.values[:, :context]

@@ -180,7 +180,7 @@ class PrefillRun:
             self._write_chunk(n_before, n_after)
             frontier = schedule.frontier(n_before, prompt)
             for point in schedule.eviction_points_in_step(n_before, n_after, prompt):
-                frontier_after = schedule.frontier_at_point(point)
+                frontier_after = schedule.frontier_at_point(point, prompt)
                 ev = EvictionPoint(
                     "r0", 0, 0, 0, n_before, last_point, frontier, point, frontier_after,
                     point, compacts=frontier_after > frontier, region_start=region,

@@ -72,6 +72,11 @@ def _clean_args(**changes):
 def test_clean_engine_args_pass():
     cli._reject_incompatible_args(_clean_args())
     cli._reject_incompatible_args(_clean_args(enable_prefix_caching=False))
+    # prefix_caching shared keeps vLLM's prefix caching on
+    cli._reject_incompatible_args(_clean_args(enable_prefix_caching=True), "shared")
+    cli._reject_incompatible_args(_clean_args(), "shared")
+    with pytest.raises(KVEvictionConfigError, match="drop --no-enable-prefix-caching"):
+        cli._reject_incompatible_args(_clean_args(enable_prefix_caching=False), "shared")
     # attributes vLLM may not have are treated as 1
     cli._reject_incompatible_args(
         SimpleNamespace(enable_prefix_caching=None, speculative_config=None, kv_transfer_config=None)

@@ -38,6 +38,8 @@ FIELDS = [
     "moment_correction",
     "moment_covariance",
     "storage",
+    "prefix_caching",
+    "max_protected_prefix_tokens",
 ]
 POLICY_NAMES = [
     "criticalkv", "expected_attention", "h2o", "keydiff", "knorm", "momentkv",
@@ -63,6 +65,8 @@ SETTINGS = {
     "moment_correction": True,
     "moment_covariance": "diagonal",
     "storage": "head_pages",
+    "prefix_caching": "shared",
+    "max_protected_prefix_tokens": 512,
 }
 YAML_TEXT = """\
 policy: snapkv
@@ -85,6 +89,8 @@ pyramid_beta: 10.0
 moment_correction: true
 moment_covariance: diagonal
 storage: head_pages
+prefix_caching: shared
+max_protected_prefix_tokens: 512
 """
 
 
@@ -141,6 +147,8 @@ def test_defaults_and_no_flags():
         "moment_correction": False,
         "moment_covariance": "full",
         "storage": None,
+        "prefix_caching": "off",
+        "max_protected_prefix_tokens": 1024,
     }
 
 

@@ -95,3 +95,22 @@ def test_poison_standard_prefix_hits_only_those_slots(isa):
     assert not bool(torch.isnan(k[:, 5:]).any()) and not bool(torch.isnan(v[:, 5:]).any())
     others = torch.cat([cache.kv_cache[:2], cache.kv_cache[3:]])
     assert not bool(torch.isnan(others).any())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_live_block_table_drops_the_freed_gap(seed):
+    """vLLM's kernel reads a request's live slots ``[0, prefix)`` and
+    ``[frontier, n)`` as one sequence: each row keeps its first
+    ``prefix_blocks`` columns, then its columns from ``first_blocks`` on."""
+    from vllm_kvevict.vllm_glue.cpu_backend import live_block_table
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 5, 12
+    table = torch.randperm(rows * width, generator=gen).view(rows, width).to(torch.int32)
+    prefix_blocks = torch.randint(0, 4, (rows,), generator=gen)
+    first_blocks = prefix_blocks + torch.randint(0, 6, (rows,), generator=gen)
+    got = live_block_table(table, prefix_blocks, first_blocks)
+    for r in range(rows):
+        pb, fb = int(prefix_blocks[r]), int(first_blocks[r])
+        want = table[r, :pb].tolist() + table[r, fb:].tolist()
+        assert got[r, : len(want)].tolist() == want

@@ -123,13 +123,16 @@ def test_uniform_one_token_pages_keep_what_the_policys_select_keeps(policy: str,
     assert torch.equal(kept, rule.policy.select(inputs, num_keep, 4, 8, live))
 
 
+@pytest.mark.parametrize("prefix", [0, 16])
 @pytest.mark.parametrize("seed", range(4))
-def test_slots_eviction_writes_the_kept_tokens_in_order(seed: int) -> None:
+def test_slots_eviction_writes_the_kept_tokens_in_order(seed: int, prefix: int) -> None:
+    """With a protected prefix (two blocks here) its slots are neither
+    candidates nor rewritten nor freed: the tokens after it are chosen from."""
     gen = torch.Generator().manual_seed(seed)
     heads, bs, dim, point, frontier = 2, 8, 16, 80, 40
     cache, block_row, keys, values = _request(gen, 16, heads, bs, dim, point)
     positions_row = torch.zeros(heads, 128, dtype=torch.int64)
-    ev = EvictionPoint("r", 0, 0, 0, point - 1, 0, 0, point, frontier, point)
+    ev = EvictionPoint("r", 0, 0, 0, point - 1, 0, prefix, point, frontier, point, protected_prefix=prefix)
     rule = KeepRule(make_policy("knorm"), UniformAllocation(), 4, 8)
     recorder = Recorder()
     counts = evict_slots(cache, rule, ev, positions_row, block_row, _inputs_for(dim**-0.5), 3, recorder)
@@ -139,19 +142,27 @@ def test_slots_eviction_writes_the_kept_tokens_in_order(seed: int) -> None:
     norms = keys.norm(dim=-1)  # knorm keeps the lowest norms; sinks and recent always
     for h in range(heads):
         protected = set(range(4)) | set(range(point - 8, point))
-        rest = [p for p in torch.argsort(norms[h], stable=True).tolist() if p not in protected]
-        expected = sorted(protected | set(rest[: num_keep - len(protected)]))
+        rest = [
+            p for p in torch.argsort(norms[h], stable=True).tolist() if p not in protected and p >= prefix
+        ]
+        expected = sorted({p for p in protected if p >= prefix} | set(rest[: num_keep - len(protected - set(range(prefix)))]))
+        assert len(expected) == num_keep
         assert positions_row[h, :num_keep].tolist() == expected
         got_k, got_v = cache.read_slots(block_row, frontier, point)
         assert torch.equal(got_k[h], keys[h, expected]) and torch.equal(got_v[h], values[h, expected])
+        prefix_k, prefix_v = cache.read_slots(block_row, 0, prefix)
+        assert torch.equal(prefix_k[h], keys[h, :prefix]) and torch.equal(prefix_v[h], values[h, :prefix])
     (released,) = recorder.released_memory
-    assert torch.equal(released.freed_blocks, block_row[: frontier // bs]) and released.layer == 3
+    assert torch.equal(released.freed_blocks, block_row[prefix // bs : frontier // bs]) and released.layer == 3
 
 
+@pytest.mark.parametrize("prefix", [0, 16])
 @pytest.mark.parametrize("allocation", [UniformAllocation(), AdaKVAllocation(0.2)])
 @pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])
 @pytest.mark.parametrize("seed", range(3))
-def test_head_pages_compaction_against_brute_force(allocation, covariance: str, seed: int) -> None:
+def test_head_pages_compaction_against_brute_force(allocation, covariance: str, seed: int, prefix: int) -> None:
+    """With a protected prefix (two blocks here) only the tokens after it are
+    chosen from, folded or freed; its blocks are left as they are."""
     gen = torch.Generator().manual_seed(seed)
     heads, bs, dim, point, frontier = 3, 8, 16, 96, 48
     cache, block_row, keys, values = _request(gen, 20, heads, bs, dim, point)
@@ -162,7 +173,9 @@ def test_head_pages_compaction_against_brute_force(allocation, covariance: str, 
         lens=torch.zeros(heads, dtype=torch.int32),
         moments=moments,
     )
-    ev = EvictionPoint("r", 0, 0, 0, point - 1, 0, 0, point, frontier, point, compacts=True)
+    ev = EvictionPoint(
+        "r", 0, 0, 0, point - 1, 0, prefix, point, frontier, point, compacts=True, protected_prefix=prefix
+    )
     # Scale the heads' norms apart so AdaKV gives them different counts.
     spread = torch.tensor([0.5, 1.0, 2.0])[:, None, None]
     cache.keys.mul_(spread.view(1, heads, 1, 1))
@@ -182,13 +195,17 @@ def test_head_pages_compaction_against_brute_force(allocation, covariance: str, 
         assert len(set(counts)) > 1
     scores = -keys.norm(dim=-1)
     for h, count in enumerate(counts):
-        protected = set(range(4)) | set(range(point - 8, point))
-        rest = [p for p in torch.argsort(-scores[h], stable=True).tolist() if p not in protected]
+        protected = {p for p in set(range(4)) | set(range(point - 8, point)) if p >= prefix}
+        rest = [
+            p for p in torch.argsort(-scores[h], stable=True).tolist() if p not in protected and p >= prefix
+        ]
         kept = sorted(protected | set(rest[: count - len(protected)]))
         assert rows.positions[h, :count].tolist() == kept
         got_k, got_v = cache.read_pages(rows.pages[h], count)
         assert torch.equal(got_k, keys[h, kept]) and torch.equal(got_v, values[h, kept])
-        dropped = sorted(set(range(point)) - set(kept))
+        prefix_k, prefix_v = cache.read_slots(block_row, 0, prefix)
+        assert torch.equal(prefix_k[h], keys[h, :prefix]) and torch.equal(prefix_v[h], values[h, :prefix])
+        dropped = sorted(set(range(prefix, point)) - set(kept))
         k, v = keys[h, dropped].double(), values[h, dropped].double()
         assert float(moments.count[h]) == len(dropped)
         if not dropped:  # a head AdaKV let keep everything
@@ -202,5 +219,5 @@ def test_head_pages_compaction_against_brute_force(allocation, covariance: str, 
     (released,) = recorder.released_memory
     used = sum(-(-c // bs) for c in counts)
     assert released.unused_pages.numel() == total_pages - used
-    assert torch.equal(released.freed_blocks, block_row[: frontier // bs])
+    assert torch.equal(released.freed_blocks, block_row[prefix // bs : frontier // bs])
     assert released.partial_blocks == [] and released.layer == 0

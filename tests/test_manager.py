@@ -24,7 +24,7 @@ from vllm_kvevict.vllm_glue.spec import (  # noqa: E402
 
 
 def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, decode_interval: int = 8,
-              step: int = 64) -> EvictingAttentionSpec:
+              step: int = 64, protected: int = 0) -> EvictingAttentionSpec:
     return EvictingAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
         schedule=EvictionSchedule(
@@ -32,6 +32,7 @@ def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, decode_interva
             prefill_mode=prefill_mode,  # type: ignore[arg-type]
             # as customize_spec sets it by default: one scheduler step
             prefill_interval=step,
+            max_protected_prefix=protected,
         ),
         max_step_tokens=step,
     )
@@ -67,18 +68,23 @@ def test_spec_pickles_compares_by_value_and_keeps_the_schedule_at_its_block_size
         assert smaller.max_step_tokens == spec.max_step_tokens
 
 
+@pytest.mark.parametrize("protected", [0, 100])
 @pytest.mark.parametrize("seed", range(5))
-def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
+def test_manager_frees_exactly_the_blocks_below_the_frontier(seed, protected):
     """Drive the manager like vLLM's allocate_slots does (free on the processed
-    basis, then allocate the next step) and compare with the schedule."""
+    basis, then allocate the next step) and compare with the schedule: every
+    block between the protected prefix (96 tokens of at most 100: six blocks)
+    and the frontier is freed, no other."""
     rng = random.Random(seed)
-    spec = make_spec()
+    spec = make_spec(protected=protected)
+    prefix_blocks = protected // 16
+    assert spec.prefix_cacheable == bool(protected)
     schedule = spec.schedule
     manager = make_manager(spec)
     pool = manager.block_pool
     prompt_len, decode_steps = rng.randint(150, 700), rng.randint(10, 60)
     n, req = 0, "r"
-    expected_free_points, freed_blocks, peak = [], 0, 0
+    expected_free_points, freed_blocks, peak = [], prefix_blocks, 0
     while n < prompt_len + decode_steps:
         step = min(rng.randint(1, 64), prompt_len - n) if n < prompt_len else 1
         manager.remove_skipped_blocks(req, n, prompt_len)
@@ -89,15 +95,20 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed):
         manager.allocate_new_blocks(req, n + step, n + step)
         blocks = manager.req_to_blocks[req]
         frontier_blocks = schedule.frontier(n, prompt_len) // 16
-        assert all(b.is_null for b in blocks[:frontier_blocks])
+        assert frontier_blocks >= prefix_blocks
+        assert not any(b.is_null for b in blocks[:prefix_blocks])
+        assert all(b.is_null for b in blocks[prefix_blocks:frontier_blocks])
         assert not any(b.is_null for b in blocks[frontier_blocks:])
-        held = len(blocks) - frontier_blocks
+        held = len(blocks) - frontier_blocks + prefix_blocks
         peak = max(peak, held)
-        assert held == cdiv(n + step, 16) - frontier_blocks
+        assert held == cdiv(n + step, 16) - frontier_blocks + prefix_blocks
         assert held <= manager.max_admission_blocks_per_request
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - held
+        assert manager.stats.protected_prefix_blocks == min(prefix_blocks, len(blocks))
         n += step
-    assert manager.stats.blocks_freed_by_eviction == schedule.frontier(last_processed, prompt_len) // 16
+    assert manager.stats.blocks_freed_by_eviction == (
+        schedule.frontier(last_processed, prompt_len) // 16 - prefix_blocks
+    )
     assert manager.stats.blocks_freed_by_eviction > 0
     manager.free(req)
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -34,8 +34,11 @@ def _random_case(rng):
         done += c
     steps = chunks + [1] * decode_steps
     mode = rng.choice(["per_chunk", "end_of_prompt", "hybrid"])
+    # Half the cases protect a prefix (prefix_caching shared), often longer
+    # than the prompt.
+    protected = rng.choice([0, rng.randint(1, 300)])
     schedule = EvictionSchedule(
-        budget, interval, block_size, mode, rng.randint(0, 400), rng.randint(1, 120)
+        budget, interval, block_size, mode, rng.randint(0, 400), rng.randint(1, 120), protected
     )
     return schedule, prompt_len, max_step_tokens, chunks, steps
 
@@ -46,7 +49,14 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
     per_chunk = EvictionSchedule(
         schedule.budget, schedule.decode_interval, bs, "per_chunk",
         prefill_interval=schedule.prefill_interval,
+        max_protected_prefix=schedule.max_protected_prefix,
     )
+    # The protected prefix, computed here from its definition: the prompt's
+    # first whole blocks, at most max_protected_prefix tokens, never its last token.
+    prefix = 0
+    while prefix + bs <= min(schedule.max_protected_prefix, prompt_len - 1):
+        prefix += bs
+    assert schedule.protected_prefix(prompt_len) == prefix
     slots = {}  # slot -> original position of the token stored there (one KV head)
     prefill_points, decode_points = [], []
     prev_frontier = 0
@@ -56,16 +66,19 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
         nonlocal prev_frontier
         frontier = schedule.frontier(n, prompt_len)
         assert frontier % bs == 0
-        assert frontier >= prev_frontier, "frontier moved backwards"
+        assert frontier >= max(prev_frontier, prefix), "frontier moved backwards or into the prefix"
         prev_frontier = frontier
-        if slots:
-            first_live = min(slots)
-            assert frontier <= first_live, "a live slot would be freed"
-        live = len(slots)
-        assert live == n - frontier
-        assert live >= min(n, schedule.budget), "fewer than budget tokens kept"
-        # Every slot in [frontier, n) holds exactly one token; none is later than its slot.
-        assert sorted(slots) == list(range(frontier, n))
+        private = {slot: pos for slot, pos in slots.items() if slot >= prefix}
+        if private:
+            assert frontier <= min(private), "a live slot would be freed"
+        # The prefix's slots hold their own tokens, never moved or freed.
+        assert all(slots[slot] == slot for slot in range(min(n, prefix)))
+        live = len(private)
+        assert live == max(n - frontier, 0)
+        assert live >= min(max(n - prefix, 0), schedule.budget), "fewer than budget tokens kept"
+        # Every slot in [0, prefix) and [frontier, n) holds exactly one token;
+        # none is later than its slot.
+        assert sorted(slots) == list(range(min(n, prefix))) + list(range(frontier, n))
         assert all(pos <= slot for slot, pos in slots.items())
         # Blocks held while the next step of c tokens is allocated. end_of_prompt
         # holds the whole prompt (no cap) until the prompt is done; from then on
@@ -84,7 +97,8 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
                     assert _cdiv(n + c, bs) <= limit
                 return
         for c in range(1, max_step_tokens + 1):
-            held = _cdiv(n + c, bs) - frontier // bs
+            end = _cdiv(n + c, bs)
+            held = min(end, prefix // bs) + max(end - frontier // bs, 0)
             assert held <= limit, (n, c, held, limit)
 
     check_boundary(0)
@@ -100,16 +114,16 @@ def _simulate(schedule, prompt_len, max_step_tokens, steps, rng):
                 prefill_points.append(point)
             else:
                 decode_points.append(point)
-            new_frontier = schedule.frontier_at_point(point)
-            num_keep = point - new_frontier
-            before = sorted(pos for slot, pos in slots.items() if slot < point)
-            after = {slot: pos for slot, pos in slots.items() if slot >= point}
-            assert 0 <= num_keep <= len(before), "asked to keep more tokens than are live"
+            new_frontier = schedule.frontier_at_point(point, prompt_len)
+            # Only the tokens after the prefix are candidates.
+            num_keep = max(point - new_frontier, 0)
+            before = sorted(pos for slot, pos in slots.items() if prefix <= slot < point)
+            assert num_keep <= len(before), "asked to keep more tokens than are live"
             assert num_keep <= schedule.retained_capacity()
             # The choice depends on the point alone, as a policy's does on
             # the tokens before it: chunking must not change the outcome.
             kept = sorted(random.Random(point).sample(before, num_keep))
-            slots = dict(after)
+            slots = {slot: pos for slot, pos in slots.items() if slot < prefix or slot >= point}
             for i, pos in enumerate(kept):
                 slots[new_frontier + i] = pos
         n = n_after
@@ -151,8 +165,8 @@ def test_hand_checked_values():
     """A few values worked out by hand from the storage rule."""
     s = EvictionSchedule(budget=10, decode_interval=4, block_size=4)
     # point 25: floor((25 - 10) / 4) * 4 = 12
-    assert s.frontier_at_point(25) == 12
-    assert s.frontier_at_point(9) == 0
+    assert s.frontier_at_point(25, 20) == 12
+    assert s.frontier_at_point(9, 20) == 0
     assert s.frontier(20, prompt_len=20) == 8
     # decode: points 24, 28 ... ; n = 27 -> last point 24 -> floor(14/4)*4 = 12
     assert s.frontier(27, prompt_len=20) == 12
@@ -169,6 +183,15 @@ def test_hand_checked_values():
     assert p.frontier(17, prompt_len=20) == 4  # last point 16: floor(6/4)*4
     # span = 10 + max(4, 512) + 5 + 4 - 2 = 529 -> 133 blocks
     assert s.max_blocks_per_request(5) == 133
+    # A protected prefix of at most 9 tokens: 8 (two whole blocks), or less
+    # for a prompt whose last token would be in it; the budget counts after it.
+    q = EvictionSchedule(budget=10, decode_interval=4, block_size=4, max_protected_prefix=9)
+    assert q.protected_prefix(20) == 8 and q.protected_prefix(9) == 8
+    assert q.protected_prefix(8) == 4 and q.protected_prefix(4) == 0
+    assert q.frontier_at_point(25, 20) == 12  # 8 + floor((25 - 8 - 10) / 4) * 4
+    assert q.frontier_at_point(21, 20) == 8 and q.frontier_at_point(5, 20) == 8
+    assert q.frontier(20, prompt_len=20) == 8 and q.frontier(28, prompt_len=20) == 16
+    assert q.max_blocks_per_request(5) == 133 + 2
     # span = 10 + max(4, 8) + 5 + 4 - 2 = 25 -> 7 blocks
     assert p.max_blocks_per_request(5) == 7
 
@@ -199,7 +222,7 @@ def test_retained_capacity_covers_every_point(seed):
         s = EvictionSchedule(
             rng.randint(1, 300), rng.randint(1, 50), rng.choice([1, 3, 8, 16, 32, 64])
         )
-        worst = max(p - s.frontier_at_point(p) for p in range(0, 2000))
+        worst = max(p - s.frontier_at_point(p, 2000) for p in range(0, 2000))
         assert s.retained_capacity() >= worst
 
 
@@ -212,7 +235,7 @@ def test_head_page_capacities_cover_every_point(seed):
     for _ in range(20):
         bs = rng.choice([1, 3, 8, 16, 32])
         s = EvictionSchedule(rng.randint(1, 300), rng.randint(1, 50), bs)
-        spans = [p // bs - s.frontier_at_point(p) // bs for p in range(s.budget, 2000)]
+        spans = [p // bs - s.frontier_at_point(p, 2000) // bs for p in range(s.budget, 2000)]
         assert min(spans) == s.min_retained_blocks
         assert max(spans) <= s.max_head_pages(1)
         assert s.max_head_pages(6) == 6 * s.max_head_pages(1)

@@ -146,6 +146,20 @@ class EvictionConfig(BaseModel):
         "different numbers of tokens); default head_pages when head_budget is adaptive "
         "or moment_correction is on, else slots",
     )
+    prefix_caching: Literal["off", "shared"] = Field(
+        "off",
+        description="off: vLLM's prefix caching is turned off; shared: it stays on, and "
+        "each prompt's first whole blocks (those found in the cache, and up to "
+        "max_protected_prefix_tokens) are never evicted, so they stay cached and shared "
+        "between requests; the budget counts the tokens after them",
+    )
+    max_protected_prefix_tokens: int = Field(
+        1024,
+        ge=0,
+        description="prefix_caching shared: most prompt tokens protected from eviction "
+        "(whole blocks; a request holds them on top of its budget, once for every request "
+        "that shares them)",
+    )
     # The policy object, built (and its options checked) by validation.
     _policy: EvictionPolicy = PrivateAttr()
 
@@ -220,6 +234,19 @@ class EvictionConfig(BaseModel):
                 "'head_pages'; "
                 "drop storage 'slots'"
             )
+        if self.prefix_caching == "shared" and self.pools_layers:
+            raise ValueError(
+                f"prefix_caching 'shared' keeps each prompt's first blocks in place, and "
+                f"head_budget {self.head_budget!r} moves every layer's tokens into one pool; "
+                "use head_budget 'uniform' or 'adaptive', or prefix_caching 'off'"
+            )
+        if self.prefix_caching == "shared" and policy.needs_queries and self.budget < self.observation_window:
+            raise ValueError(
+                f"with prefix_caching 'shared' a request may take its prefix from the cache "
+                f"without computing its queries, so the observation window must lie after it: "
+                f"raise budget ({self.budget}) to at least observation_window "
+                f"({self.observation_window})"
+            )
         self._policy = make_policy(self.policy, self.policy_options)
         return self
 
@@ -288,6 +315,7 @@ class EvictionConfig(BaseModel):
             self.budget, self.decode_interval, block_size, self.prefill_mode,
             self.end_of_prompt_max_tokens,
             self.prefill_interval or default_prefill_interval,
+            self.max_protected_prefix_tokens if self.prefix_caching == "shared" else 0,
         )
 
     @property

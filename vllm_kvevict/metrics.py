@@ -71,6 +71,10 @@ ENGINE_METRICS = {
     "kvevict_blocks_held": MetricDef(
         "gauge", "KV-cache blocks the running requests hold."
     ),
+    "kvevict_protected_prefix_tokens": MetricDef(
+        "gauge", "Tokens of the protected prompt prefixes the running requests hold "
+        "(prefix_caching shared; each shared block counted once), on top of their budgets."
+    ),
     "kvevict_blocks_freed": MetricDef(
         "counter", "KV-cache blocks returned to vLLM's pool by eviction while requests ran."
     ),

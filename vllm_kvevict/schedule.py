@@ -38,6 +38,16 @@ Storage rule
     block-aligned, which lets the stock paged kernels read it through a
     shifted block table.
 
+Protected prefix
+    With a protected prefix of ``p`` tokens (``prefix_caching: shared``: the
+    prompt's first whole blocks, at most ``max_protected_prefix``, never its
+    last token) the slots ``[0, p)`` are never evicted, compacted into or
+    freed: they stay in vLLM's prefix cache, shared by the requests that
+    find them there. The rule above applies to the tokens after them,
+    ``F = p + floor((P - p - budget) / block_size) * block_size``; a request
+    holds ``[0, p)`` and ``[F, n)``, and the blocks ``[p / bs, F / bs)`` are
+    freed. ``p = 0`` is the rule above.
+
 Per request
     A request may ask for its own budget (at most the server's) or opt out
     (``kv_eviction`` in its extra arguments, :class:`~vllm_kvevict.config.RequestEviction`).
@@ -74,10 +84,23 @@ class EvictionSchedule:
     end_of_prompt_max_tokens: int = 0
     prefill_interval: int = 512
     """``per_chunk`` prefill: prompt tokens between two evictions."""
+    max_protected_prefix: int = 0
+    """Most prompt tokens never evicted (whole blocks of them; 0: none)."""
 
     def __post_init__(self) -> None:
         if min(self.budget, self.decode_interval, self.block_size, self.prefill_interval) < 1:
             raise ValueError(f"invalid eviction schedule {self}")
+        if self.max_protected_prefix < 0:
+            raise ValueError(f"invalid eviction schedule {self}")
+
+    def protected_prefix(self, prompt_len: int) -> int:
+        """Tokens at the start of a prompt of ``prompt_len`` that are never
+        evicted: whole blocks, at most ``max_protected_prefix``, never the
+        prompt's last token (vLLM computes it rather than take it from its
+        prefix cache)."""
+        if not self.max_protected_prefix:
+            return 0
+        return min(self.max_protected_prefix, prompt_len - 1) // self.block_size * self.block_size
 
     def holds_whole_prompt(self, prompt_len: int) -> bool:
         """Whether this prompt is evicted once, at its end."""
@@ -93,17 +116,21 @@ class EvictionSchedule:
             return n // self.prefill_interval * self.prefill_interval
         return prompt_len + (n - prompt_len) // self.decode_interval * self.decode_interval
 
-    def frontier_at_point(self, point: int) -> int:
-        """First live slot after evicting at ``point`` (block-aligned)."""
-        return max(0, (point - self.budget) // self.block_size) * self.block_size
+    def frontier_at_point(self, point: int, prompt_len: int) -> int:
+        """First live slot after the protected prefix once evicted at
+        ``point`` (block-aligned; the prefix's end while nothing is evicted)."""
+        prefix = self.protected_prefix(prompt_len)
+        return prefix + max(0, (point - prefix - self.budget) // self.block_size) * self.block_size
 
     def frontier(self, n: int, prompt_len: int) -> int:
-        """First live slot once ``n`` tokens have been processed.
+        """First live slot after the protected prefix once ``n`` tokens have
+        been processed.
 
-        Every slot below it belongs to an evicted token, so every block below
-        ``frontier // block_size`` can be returned to the pool.
+        Every slot between the prefix and it belongs to an evicted token, so
+        the blocks ``[protected_prefix // block_size, frontier // block_size)``
+        can be returned to the pool.
         """
-        return self.frontier_at_point(self.last_eviction_point(n, prompt_len))
+        return self.frontier_at_point(self.last_eviction_point(n, prompt_len), prompt_len)
 
     def eviction_points_in_step(
         self, n_before: int, n_after: int, prompt_len: int
@@ -136,13 +163,13 @@ class EvictionSchedule:
         ``[F(n), n + c)``. ``n - P_e(n) <= max(decode_interval, prefill_interval) - 1``
         and ``P_e(n) - F(n) <= budget + block_size - 1``, so the span is at most
         ``budget + max(decode_interval, prefill_interval) + c + block_size - 2`` tokens
-        from a block-aligned start.
+        from a block-aligned start, after the protected prefix's blocks.
         """
         if self.prefill_mode == "end_of_prompt":
             return None
         gap = max(self.decode_interval, self.prefill_interval)
         span = self.budget + gap + max_step_tokens + self.block_size - 2
-        bound = cdiv(span, self.block_size)
+        bound = cdiv(span, self.block_size) + self.max_protected_prefix // self.block_size
         if self.prefill_mode == "hybrid":
             bound = max(bound, cdiv(self.end_of_prompt_max_tokens, self.block_size))
         return bound

@@ -17,6 +17,11 @@ which the request keeps. So the request holds ``sum_h pages_h / H`` blocks of
 compacted tokens plus the blocks of its standard region, as the scheduler
 computes from the schedule alone. With the MomentKV correction the tokens a
 head drops are folded into its moments.
+
+A protected prefix (the slots ``[0, p)``, whole blocks, shared through vLLM's
+prefix cache) is never gathered, rewritten or freed: the kernels read it in
+place from the block table, before the compacted tokens
+(:class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`'s ``prefix_lens``).
 """
 
 from __future__ import annotations
@@ -158,8 +163,11 @@ def compact_head_pages(
     Returns the tokens each head keeps."""
     assert rows.pages is not None and rows.lens is not None
     bs = cache.block_size
+    # The protected prefix is never a candidate: the standard slots are
+    # gathered from its end (the kernels read it in place, from the block table).
     tokens = gather_live(
-        cache, rows.pages, rows.lens, rows.positions, block_row, ev.region_start, ev.point
+        cache, rows.pages, rows.lens, rows.positions, block_row,
+        max(ev.region_start, ev.protected_prefix), ev.point,
     )
     inputs = scoring_inputs(tokens.keys, tokens.values, tokens.positions, rows.moments)
     free_pages = block_head_pages(block_row[ev.frontier_after // bs : ev.point // bs], cache.num_heads)

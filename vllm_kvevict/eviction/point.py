@@ -32,6 +32,8 @@ class EvictionPoint:
     # compact), and the first slot of the standard region when this runs.
     compacts: bool = False
     region_start: int = 0
+    # The slots [0, protected_prefix) are never evicted (prefix_caching shared).
+    protected_prefix: int = 0
     backend_data: Any = None  # what the backend needs for the segment's attention
 
     @property

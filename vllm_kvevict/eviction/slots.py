@@ -5,7 +5,8 @@ After evicting at point ``P`` every head holds ``P - F`` tokens in the slots
 ``[F, P)`` (``F``: the schedule's frontier), followed by the slots of tokens
 written since. ``positions[h, i]`` is the original position of the token in
 slot ``F + i`` below the last point; slots at or after it hold the token of
-their own position.
+their own position. A protected prefix (the slots ``[0, p)``, ``p <= F``) is
+never a candidate: its tokens stay where they are.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ def evict_slots(
     slots ``[frontier_after, point)``; ``positions_row [H, capacity]`` follows.
     Returns the tokens each head keeps, or None when nothing moved."""
     bs = cache.block_size
-    num_compacted = ev.last_point_before - ev.frontier_before
+    # Slots [frontier_before, compacted_end) hold tokens kept at the last
+    # point; the protected prefix [0, frontier_before at first) is not a candidate.
+    compacted_end = max(ev.last_point_before, ev.frontier_before)
+    num_compacted = compacted_end - ev.frontier_before
     num_live = ev.point - ev.frontier_before
-    new_positions = torch.arange(ev.last_point_before, ev.point, device=positions_row.device)
+    new_positions = torch.arange(compacted_end, ev.point, device=positions_row.device)
     if ev.frontier_after == ev.frontier_before:
         # The frontier stays in its block: every live token is kept where it
         # is; only record where the new ones came from.
-        positions_row[:, num_compacted:num_live] = new_positions
+        if num_live > num_compacted:
+            positions_row[:, num_compacted:num_live] = new_positions
         return None
     keys, values = cache.read_slots(block_row, ev.frontier_before, ev.point)
     num_heads = keys.shape[0]

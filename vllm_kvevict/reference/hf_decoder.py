@@ -496,7 +496,7 @@ class ReferenceEvictingDecoder:
         # needs the in-pass eviction the plugin does for longer steps.
         if points != [step.n_after]:
             raise AssertionError(f"step {step} crosses eviction points {points}")
-        return points[0], self.schedule.frontier_at_point(points[0])
+        return points[0], self.schedule.frontier_at_point(points[0], step.prompt_len)
 
     def _observation_queries(
         self, store: _LayerStore, point: int
@@ -522,28 +522,35 @@ class ReferenceEvictingDecoder:
         if reached is None:
             return
         point, frontier = reached
+        # The protected prefix (prefix_caching shared) is kept whole and is
+        # not a candidate: the policy scores the tokens after it.
+        prefix = self.schedule.protected_prefix(step.prompt_len)
+        if frontier <= self.schedule.frontier(step.n_before, step.prompt_len):
+            return  # the frontier stays: every token is kept
         if self.config.uses_head_pages:
-            frontier_before = self.schedule.frontier(step.n_before, step.prompt_len)
-            if frontier > frontier_before:
-                self._evict_head_pages(store, point, frontier, scale, parts)
+            self._evict_head_pages(store, point, prefix, frontier, scale, parts)
             return
         num_keep = point - frontier
 
         # Positions are sorted per head (appended in order, and kept indices
         # are sorted), and every head holds the same tokens >= point (this
-        # step's), so the candidates are the same-length prefix of each head.
+        # step's) and the same prefix tokens, so the candidates are the same
+        # slice [first, num_cand) of each head.
         cand_mask = store.positions < point
         num_cand = int(cand_mask[0].sum())
         if not bool(cand_mask[:, :num_cand].all()) or bool(cand_mask[:, num_cand:].any()):
             raise AssertionError("stored positions are not sorted per head")
-        if num_keep >= num_cand:
+        first = int((store.positions[0] < prefix).sum())
+        if first != min(prefix, num_cand) or not bool((store.positions[:, :first] < prefix).all()):
+            raise AssertionError("the protected prefix is not stored whole at the start of every head")
+        if num_keep >= num_cand - first:
             return
 
         queries, query_positions = self._observation_queries(store, point)
         inputs = ScoringInputs(
-            keys=store.keys[:, :num_cand],
-            values=store.values[:, :num_cand],
-            key_positions=store.positions[:, :num_cand],
+            keys=store.keys[:, first:num_cand],
+            values=store.values[:, first:num_cand],
+            key_positions=store.positions[:, first:num_cand],
             queries=queries,
             query_positions=query_positions,
             scale=scale,
@@ -557,26 +564,34 @@ class ReferenceEvictingDecoder:
 
         def keep(t: torch.Tensor) -> torch.Tensor:
             idx = kept if t.dim() == 2 else kept[..., None].expand(-1, -1, t.shape[-1])
-            return torch.cat([torch.gather(t[:, :num_cand], 1, idx), t[:, num_cand:]], dim=1)
+            return torch.cat([t[:, :first], torch.gather(t[:, first:num_cand], 1, idx), t[:, num_cand:]], dim=1)
 
         store.keys = keep(store.keys)
         store.values = keep(store.values)
         store.positions = keep(store.positions)
 
     def _evict_head_pages(
-        self, store: _LayerStore, point: int, frontier: int, scale: float, parts: dict[str, Any]
+        self, store: _LayerStore, point: int, prefix: int, frontier: int, scale: float,
+        parts: dict[str, Any],
     ) -> None:
         """head_pages storage: the layer keeps ``H * (point // bs - frontier // bs)``
-        whole pages of tokens, split across heads by the allocation."""
+        whole pages of tokens, split across heads by the allocation, after
+        the protected prefix's ``prefix`` tokens, which every head keeps."""
         assert self.config is not None and self.policy is not None
         assert store.keys is not None and store.values is not None and store.positions is not None
         assert store.query_history is not None and store.query_positions is not None
         bs = self.block_size
         num_heads, _, head_dim = store.keys.shape
-        # Steps end at the point, so every stored token is a candidate.
+        # Steps end at the point, so every stored token after the prefix is a
+        # candidate; the prefix's are the first ``prefix`` of every head in
+        # position order.
         (keys, values, positions), live = _live_in_position_order(
             store.positions, (store.keys, store.values, store.positions)
         )
+        if not bool((positions[:, :prefix] == torch.arange(prefix)).all()):
+            raise AssertionError("the protected prefix is not stored whole in every head")
+        kept_prefix = keys[:, :prefix], values[:, :prefix], positions[:, :prefix]
+        keys, values, positions, live = keys[:, prefix:], values[:, prefix:], positions[:, prefix:], live[:, prefix:]
         queries, query_positions = self._observation_queries(store, point)
         moments = None
         if self.config.moment_correction:
@@ -618,7 +633,9 @@ class ReferenceEvictingDecoder:
             evicted[index] = False
             store.evicted_keys[h] = torch.cat([store.evicted_keys[h], keys[h, evicted].double()])
             store.evicted_values[h] = torch.cat([store.evicted_values[h], values[h, evicted].double()])
-        store.keys, store.values, store.positions = new_keys, new_values, new_positions
+        store.keys = torch.cat([kept_prefix[0], new_keys], dim=1)
+        store.values = torch.cat([kept_prefix[1], new_values], dim=1)
+        store.positions = torch.cat([kept_prefix[2], new_positions], dim=1)
         store.moments = []
         for keys_e, values_e in zip(store.evicted_keys, store.evicted_values):
             n_e = keys_e.shape[0]

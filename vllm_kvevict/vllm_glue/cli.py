@@ -85,7 +85,8 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         "Hold each request's KV cache to a budget by evicting tokens after each "
         "prefill chunk and every N decode steps; freed blocks return to vLLM's pool, "
         "so requests longer than the KV memory are admitted. Prefix caching is "
-        "turned off (evicted blocks cannot be shared).",
+        "turned off (evicted blocks cannot be shared) unless prefix_caching is "
+        "'shared', which protects each prompt's first blocks from eviction.",
     )
     try:
         group.add_argument(
@@ -107,12 +108,18 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         pass  # added by an earlier call on a parser that shares these actions
 
 
-def _reject_incompatible_args(engine_args: Any) -> None:
+def _reject_incompatible_args(engine_args: Any, prefix_caching: str = "off") -> None:
     """Checks that need only the engine arguments, before the model is read."""
-    if engine_args.enable_prefix_caching:
+    if engine_args.enable_prefix_caching and prefix_caching == "off":
         _fail(
-            "--kv-eviction cannot be combined with prefix caching (evicted blocks "
-            "cannot be shared); drop --enable-prefix-caching",
+            "--kv-eviction with prefix_caching 'off' turns prefix caching off (evicted "
+            "blocks cannot be shared); drop --enable-prefix-caching, or set "
+            "prefix_caching 'shared' to keep prompt prefixes cached",
+        )
+    if engine_args.enable_prefix_caching is False and prefix_caching == "shared":
+        _fail(
+            "prefix_caching 'shared' needs vLLM's prefix caching; drop --no-enable-prefix-caching "
+            "or set prefix_caching 'off'",
         )
     if engine_args.speculative_config:
         _fail("--kv-eviction does not support speculative decoding yet; drop --speculative-config")
@@ -349,12 +356,12 @@ def _install() -> None:
             config: EvictionConfig | None = config_from_additional(self.additional_config)
             if config is None:
                 return original_create(self, *args, **kwargs)
-            _reject_incompatible_args(self)
+            _reject_incompatible_args(self, config.prefix_caching)
             from vllm_kvevict.vllm_glue.compat import platform_name
 
             changes = eviction_platform_rules(platform_name(), self, config, os.environ)
             apply_platform_changes(self, changes)
-            self.enable_prefix_caching = False
+            self.enable_prefix_caching = config.prefix_caching == "shared"
             self.additional_config = {
                 **self.additional_config,
                 ADDITIONAL_CONFIG_KEY: config.to_additional_config(),

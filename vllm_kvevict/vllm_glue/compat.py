@@ -154,6 +154,8 @@ def check_core_contract() -> None:
     _require(SingleTypeKVCacheManager, "__init__", ("self", "kv_cache_spec", "block_pool", "max_admission_blocks_per_request"))
     _require(FullAttentionManager, "allocate_new_blocks", ("self", "request_id"))
     _require(FullAttentionManager, "free", ("self", "request_id"))
+    # prefix_caching shared: only the protected prefix is hashed.
+    _require(FullAttentionManager, "cache_blocks", ("self", "request", "num_tokens"))
     _require(FullAttentionSpec, "merge", ("specs",))
     _require(FullAttentionSpec, "max_memory_usage_bytes", ("self", "vllm_config"))
     _require(BlockPool, "get_num_free_blocks", ("self",))

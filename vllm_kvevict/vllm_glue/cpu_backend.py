@@ -122,17 +122,17 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
 
     def segment_backend_data(
         self, cm: CommonAttentionMetadata, batch_index: int, first_token: int,
-        start: int, end: int, frontier: int,
+        start: int, end: int, prefix: int, frontier: int,
     ) -> CPUAttentionMetadata | None:
         """vLLM's kernel metadata for one request's tokens ``[start, end)``
-        over ``[frontier, end)`` (native kernel, slots storage)."""
+        over ``[0, prefix)`` and ``[frontier, end)`` (native kernel, slots storage)."""
         if self.storage != "slots" or not self.native:
             return None
-        num_tokens, length = end - start, end - frontier
+        num_tokens, length = end - start, prefix + end - frontier
         row = cm.block_table_tensor[batch_index : batch_index + 1]
-        first_block = torch.tensor([frontier // self.block_size])
         return self._sub_batch_metadata(
-            cm, [0, num_tokens], [length], shift_block_table(row, first_block),
+            cm, [0, num_tokens], [length],
+            live_block_table(row, torch.tensor([prefix]) // self.block_size, torch.tensor([frontier]) // self.block_size),
             slice(first_token, first_token + num_tokens),
         )
 
@@ -192,14 +192,18 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         if batch is None:  # eviction off, or one of vLLM's dummy/profiling runs
             return super().build(common_prefix_len, cm, fast_build)
         plan = self.plan_step(cm, batch, self.page_layout)
-        # vLLM's kernel reads [frontier, seq_len): shift each block-table row
-        # by the frontier's block and shorten the sequence accordingly.
+        # vLLM's kernel reads the live slots [0, prefix) and [frontier, seq_len)
+        # as one sequence: each block-table row without the blocks between,
+        # the sequence shortened accordingly.
         frontier = torch.tensor(plan.frontier_before, dtype=cm.seq_lens.dtype)
-        shifted_lens = cm.seq_lens - frontier.to(cm.seq_lens.device)
+        prefix = torch.tensor(plan.protected_prefix, dtype=cm.seq_lens.dtype)
+        shifted_lens = cm.seq_lens - (frontier - prefix).to(cm.seq_lens.device)
         shifted = dataclasses.replace(
             cm,
             seq_lens=shifted_lens,
-            block_table_tensor=shift_block_table(cm.block_table_tensor, frontier // self.block_size),
+            block_table_tensor=live_block_table(
+                cm.block_table_tensor, prefix // self.block_size, frontier // self.block_size
+            ),
             max_seq_len=int(shifted_lens.max()) if cm.num_reqs else 0,
         )
         metadata = super().build(common_prefix_len, shifted, fast_build)
@@ -207,13 +211,20 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         return KVEvictCPUMetadata(**values, eviction=plan, attention_runs=self.attention_runs(cm, plan))
 
 
-def shift_block_table(table: torch.Tensor, first_blocks: torch.Tensor) -> torch.Tensor:
-    """Rows of ``table`` starting at their ``first_blocks`` column (the frontier's block).
+def live_block_table(
+    table: torch.Tensor, prefix_blocks: torch.Tensor, first_blocks: torch.Tensor
+) -> torch.Tensor:
+    """Rows of ``table`` without the columns ``[prefix_blocks, first_blocks)``
+    (the blocks freed between the protected prefix and the frontier's block):
+    a row's first ``prefix_blocks`` columns, then its columns from
+    ``first_blocks`` on.
 
     Columns past the end repeat the last one; the kernel never reads them.
     """
     width = table.shape[1]
-    columns = torch.arange(width)[None, :] + first_blocks.to(torch.int64)[:, None]
+    prefix_blocks = prefix_blocks.to(torch.int64)[:, None]
+    columns = torch.arange(width)[None, :]
+    columns = torch.where(columns < prefix_blocks, columns, columns - prefix_blocks + first_blocks.to(torch.int64)[:, None])
     return table.gather(1, columns.clamp_(max=width - 1).to(table.device))
 
 
@@ -283,9 +294,11 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
                 self, layer, query, key, value, kv_cache, attn_metadata, output
             )
         else:
+            starts = plan.slots_region_start()
             for i, seq_len in enumerate(plan.seq_lens):
                 tokens = slice(plan.query_start[i], plan.query_start[i + 1])
-                self._region_attention(plan, cache, i, tokens, plan.frontier_before[i], seq_len, query, output)
+                prefix = plan.protected_prefix[i] if starts[i] >= plan.protected_prefix[i] else 0
+                self._region_attention(plan, cache, i, tokens, prefix, starts[i], seq_len, query, output)
 
     def _attend_head_pages_step(
         self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
@@ -325,8 +338,12 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
                 ev.backend_data, output[tokens],
             )
         else:
+            # From the new frontier after the prefix, or from 0 while the
+            # tokens lie in the prefix (the frontier is then the prefix's end).
+            after_prefix = ev.point >= ev.protected_prefix
             self._region_attention(
-                plan, cache, ev.batch_index, tokens, ev.frontier_after, ev.segment_end, query, output
+                plan, cache, ev.batch_index, tokens, ev.protected_prefix if after_prefix else 0,
+                ev.frontier_after if after_prefix else 0, ev.segment_end, query, output,
             )
 
     def _region_attention(
@@ -335,15 +352,23 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
         cache: HeadPagedCache,
         batch_index: int,
         tokens: slice,
+        prefix: int,
         region_start: int,
         region_end: int,
         query: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """Torch attention: ``tokens`` (the last of the region) over slots ``[start, end)``."""
-        keys, values = cache.read_slots(plan.block_table[batch_index], region_start, region_end)
+        """Torch attention: ``tokens`` (the last of the region) over slots
+        ``[0, prefix)`` and ``[start, end)``. Every query lies after the
+        prefix, so the prefix's keys may stand just before the region's: the
+        causal mask sees the one sequence ``[start - prefix, end)``."""
+        block_row = plan.block_table[batch_index]
+        keys, values = cache.read_slots(block_row, region_start, region_end)
+        if prefix:
+            prefix_keys, prefix_values = cache.read_slots(block_row, 0, prefix)
+            keys, values = torch.cat([prefix_keys, keys], dim=1), torch.cat([prefix_values, values], dim=1)
         output[tokens] = cpu_ops.region_attention(
-            query[tokens], keys, values, region_start, self.scale
+            query[tokens], keys, values, region_start - prefix, self.scale
         ).to(output.dtype)
 
     def _attend_head_pages(

@@ -135,6 +135,7 @@ class EvictionStepPlan:
     query_start: list[int]
     seq_lens: list[int]
     frontier_before: list[int]
+    protected_prefix: list[int]  # per request: the slots [0, p) never evicted (live: [0, p) and [frontier, n))
     evictions: list[EvictionPoint]  # per request, in point order
     ring_tokens: torch.Tensor | None  # batch token indices whose queries are kept
     ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
@@ -162,15 +163,33 @@ class EvictionStepPlan:
             self._device_lengths = (moved[: n + 1], moved[n + 1 : 2 * n + 1], moved[2 * n + 1 :])
         return self._device_lengths
 
+    def slots_region_start(self) -> list[int]:
+        """slots storage, for the head-paged kernels: where each request's
+        standard region starts: its frontier, or 0 while a query of the step
+        lies in its protected prefix (nothing is evicted then; from its end
+        on the kernels read the prefix before the region)."""
+        starts = []
+        for i, (prefix, frontier) in enumerate(zip(self.protected_prefix, self.frontier_before)):
+            n_before = self.seq_lens[i] - (self.query_start[i + 1] - self.query_start[i])
+            starts.append(frontier if n_before >= prefix else 0)
+        return starts
+
     def head_paged_batch(
         self, layer_index: int, requests: slice, query_start: list[int] | torch.Tensor,
         seq_lens: list[int] | torch.Tensor, region_start: torch.Tensor, block_offset: int,
         device: torch.device,
     ) -> HeadPagedBatch:
         """What the head-paged attention kernels read for the batch's
-        ``requests`` in one layer (with slots storage: no compacted tokens)."""
+        ``requests`` in one layer (with slots storage: no compacted tokens).
+        A request reads its protected prefix from the block table once its
+        standard region starts after it."""
         state = self.state
         rows = self.state_rows[requests]
+        region_start = region_start.to(device=device, dtype=torch.int32)
+        prefix_lens = None
+        if any(self.protected_prefix):
+            prefix = torch.tensor(self.protected_prefix[requests], dtype=torch.int32, device=device)
+            prefix_lens = torch.where(region_start >= prefix, prefix, 0)
         if self.storage == "slots":
             num_requests = len(seq_lens)
             page_table = torch.zeros(num_requests, state.num_kv_heads, 1, dtype=torch.int32, device=device)
@@ -185,9 +204,10 @@ class EvictionStepPlan:
             query_start_loc=torch.as_tensor(query_start, dtype=torch.int32, device=device),
             seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32, device=device),
             block_table=self.block_table[: len(self.seq_lens)][requests].to(torch.int32) + block_offset,
-            region_start=region_start.to(device=device, dtype=torch.int32),
+            region_start=region_start,
             moments=moments,
             moment_rows=rows.to(torch.int32) if moments is not None else None,
+            prefix_lens=prefix_lens,
         )
 
     @property
@@ -201,6 +221,10 @@ class EvictionStepPlan:
         """A host-side bound on any head's live tokens in this step (compacted + standard)."""
         state = self.state
         compacted = state.max_head_pages * self.schedule.block_size if self.storage != "slots" else 0
+        if any(self.protected_prefix):
+            # the prefix, and a region that may start at 0 (slots) or at the
+            # last compaction point (head_pages), below the frontier
+            return compacted + max(self.protected_prefix) + max(self.seq_lens)
         return compacted + max(
             (n - f for n, f in zip(self.seq_lens, self.frontier_before)), default=0
         )
@@ -331,11 +355,11 @@ class EvictingBuilder:
 
     def segment_backend_data(
         self, cm: CommonAttentionMetadata, batch_index: int, first_token: int,
-        start: int, end: int, frontier: int,
+        start: int, end: int, prefix: int, frontier: int,
     ) -> Any:
         """What the backend needs to attend one request's tokens ``[start,
-        end)`` over ``[frontier, end)`` after an eviction point; stored in the
-        point's ``backend_data``. None by default."""
+        end)`` over ``[0, prefix)`` and ``[frontier, end)`` after an eviction
+        point; stored in the point's ``backend_data``. None by default."""
         return None
 
     def plan_step(
@@ -347,6 +371,7 @@ class EvictingBuilder:
         seq_lens = host_seq_lens(cm)
         window = self.state.query_window
         frontier_before: list[int] = []
+        prefixes: list[int] = []
         evictions: list[EvictionPoint] = []
         ring_tokens: list[torch.Tensor] = []
         ring_slots: list[torch.Tensor] = []
@@ -361,7 +386,9 @@ class EvictingBuilder:
                 req_id, self.schedule, batch.extra_args[i] if batch.extra_args else None
             ) or _NEVER_EVICTS
             frontier = schedule.frontier(n_before, prompt_len)
+            prefix = schedule.protected_prefix(prompt_len)
             frontier_before.append(frontier)
+            prefixes.append(prefix)
             rows.append(row)
             region = int(self.state.region_start[row]) if self.head_paged else 0
             region_starts.append(region)
@@ -370,13 +397,14 @@ class EvictingBuilder:
                 self.state.counters.multi_point_steps += 1
             last_point = schedule.last_eviction_point(n_before, prompt_len)
             for k, point in enumerate(points):
-                frontier_after = schedule.frontier_at_point(point)
+                frontier_after = schedule.frontier_at_point(point, prompt_len)
                 segment_end = points[k + 1] if k + 1 < len(points) else n_after
                 compacts = frontier_after > frontier
                 segment_data = None
                 if segment_end > point:
                     segment_data = self.segment_backend_data(
-                        cm, i, query_start[i] + point - n_before, point, segment_end, frontier_after
+                        cm, i, query_start[i] + point - n_before, point, segment_end, prefix,
+                        frontier_after,
                     )
                 evictions.append(
                     EvictionPoint(
@@ -392,6 +420,7 @@ class EvictingBuilder:
                         segment_end=segment_end,
                         compacts=compacts,
                         region_start=region,
+                        protected_prefix=prefix,
                         backend_data=segment_data,
                     )
                 )
@@ -402,8 +431,12 @@ class EvictingBuilder:
                 self.state.region_start[row] = region
                 record = self.state.last_compaction.setdefault(req_id, {})
                 record["tokens"] = n_after
-            self.state.retained_tokens[req_id] = n_after - frontier
-            self.observer.request_planned(req_id, cm.block_table_tensor[i], frontier, n_after)
+            self.state.retained_tokens[req_id] = max(n_after - frontier, 0) + min(n_after, prefix)
+            # The blocks vLLM may keep in its prefix cache after the request
+            # (the server's protected prefix, hashed even for a request that
+            # opted out) are not the request's to poison.
+            cached = self.schedule.protected_prefix(prompt_len)
+            self.observer.request_planned(req_id, cm.block_table_tensor[i], max(frontier, cached), n_after)
             if window:
                 first = max(n_before, n_after - window)
                 positions = torch.arange(first, n_after)
@@ -411,7 +444,9 @@ class EvictingBuilder:
                 ring_slots.append(row * window + positions % window)
 
         self.observer.step_planned()
-        _check_live_blocks(cm.block_table_tensor, frontier_before, seq_lens, self.schedule.block_size, batch.req_ids)
+        _check_live_blocks(
+            cm.block_table_tensor, prefixes, frontier_before, seq_lens, self.schedule.block_size, batch.req_ids
+        )
         device = self.state.device
         return EvictionStepPlan(
             rule=self.rule,
@@ -428,6 +463,7 @@ class EvictingBuilder:
             query_start=query_start,
             seq_lens=seq_lens,
             frontier_before=frontier_before,
+            protected_prefix=prefixes,
             evictions=evictions,
             ring_tokens=torch.cat(ring_tokens).to(device) if ring_tokens else None,
             ring_slots=torch.cat(ring_slots).to(device) if ring_slots else None,
@@ -665,6 +701,10 @@ class _NeverEvicts:
         return 0
 
     @staticmethod
+    def protected_prefix(prompt_len: int) -> int:
+        return 0
+
+    @staticmethod
     def eviction_points_in_step(n_before: int, n_after: int, prompt_len: int) -> list[int]:
         return []
 
@@ -677,13 +717,14 @@ _NEVER_EVICTS = _NeverEvicts()
 
 
 def _check_live_blocks(
-    block_table: torch.Tensor, frontier: list[int], seq_lens: list[int], block_size: int,
-    req_ids: list[str],
+    block_table: torch.Tensor, prefix: list[int], frontier: list[int], seq_lens: list[int],
+    block_size: int, req_ids: list[str],
 ) -> None:
-    """Every block a request reads this step, from its frontier's block to its
-    last token's, must be a real block: vLLM's null block (id 0) there means
-    the scheduler freed what the worker is about to read (the two disagree on
-    the schedule). One comparison over the batch's block table."""
+    """Every block a request reads this step, its protected prefix's and from
+    its frontier's block to its last token's, must be a real block: vLLM's
+    null block (id 0) there means the scheduler freed what the worker is
+    about to read (the two disagree on the schedule). One comparison over the
+    batch's block table."""
     num_reqs = len(seq_lens)
     if not num_reqs:
         return
@@ -691,7 +732,9 @@ def _check_live_blocks(
     columns = torch.arange(table.shape[1], device=table.device)
     first = torch.tensor(frontier, device=table.device) // block_size
     end = (torch.tensor(seq_lens, device=table.device) + block_size - 1) // block_size
-    null = (table == 0) & (columns >= first[:, None]) & (columns < end[:, None])
+    prefix_end = torch.minimum(torch.tensor(prefix, device=table.device) // block_size, end)
+    live = ((columns >= first[:, None]) | (columns < prefix_end[:, None])) & (columns < end[:, None])
+    null = (table == 0) & live
     if bool(null.any()):
         request = req_ids[int(null.any(dim=1).nonzero()[0])]
         raise RuntimeError(

@@ -59,8 +59,9 @@ class EvictingAttentionSpec(FullAttentionSpec):
     @property
     def prefix_cacheable(self) -> bool:
         # Compaction rewrites blocks in place: their contents no longer match
-        # any prefix hash, so they must never be shared or looked up.
-        return False
+        # any prefix hash, so they must never be shared or looked up; only a
+        # protected prefix is (EvictionManager.cache_blocks hashes no other).
+        return self.schedule.max_protected_prefix > 0
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
         full = cdiv(max_model_len, self.block_size)
@@ -107,7 +108,7 @@ class RequestTrace:
     budget: int | None = None  # the request's budget; None: kv_eviction "off"
     prompt_len: int = 0
     tokens: int = 0  # processed tokens at the last schedule
-    retained: int = 0  # of which each KV head keeps (tokens - frontier)
+    retained: int = 0  # of which each KV head keeps (protected prefix + tokens - frontier)
     peak_blocks: int = 0
     blocks: int = 0  # held after the last allocation or free
     free_points: list[int] = field(default_factory=list)  # processed tokens at each free
@@ -122,6 +123,7 @@ class ManagerStats:
     requests_admitted: int = 0
     blocks_held: int = 0
     peak_blocks_held: int = 0
+    protected_prefix_blocks: int = 0  # distinct blocks of the running requests' protected prefixes
     live_requests: int = 0
     live: dict[str, RequestTrace] = field(default_factory=dict)
     finished: list[dict[str, Any]] = field(default_factory=list)
@@ -200,6 +202,14 @@ class EvictionManager(FullAttentionManager):
         finally:
             self.max_admission_blocks_per_request = self.server_admission_blocks
 
+    def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        # Only a protected prefix is hashed: every block after it may be
+        # compacted into or freed, so none of them may be found by another
+        # request (a request that opted out hashes no further either, or an
+        # evicting one could find its blocks past its own prefix).
+        protected = self.schedule.protected_prefix(request.num_prompt_tokens)
+        super().cache_blocks(request, min(num_tokens, protected), *args, **kwargs)
+
     def remove_skipped_blocks(
         self,
         request_id: str,
@@ -216,16 +226,20 @@ class EvictionManager(FullAttentionManager):
         if request_id not in self.req_to_blocks:
             return
         schedule = self.schedule_of(request_id)
-        frontier = 0 if schedule is None else schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        prefix = frontier = 0
+        if schedule is not None:
+            prefix = schedule.protected_prefix(num_prompt_tokens)
+            frontier = schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        retained = max(processed_computed_tokens - frontier, 0) + min(processed_computed_tokens, prefix)
         self._logical_tokens += processed_computed_tokens - trace.tokens
-        self._retained_tokens += processed_computed_tokens - frontier - trace.retained
-        trace.tokens, trace.retained = processed_computed_tokens, processed_computed_tokens - frontier
+        self._retained_tokens += retained - trace.retained
+        trace.tokens, trace.retained = processed_computed_tokens, retained
         self._update_metrics(force=False)
         blocks = self.req_to_blocks[request_id]
-        last = min(frontier // self.block_size, len(blocks))
-        freed = sum(1 for block in blocks[:last] if not block.is_null)
+        first, last = prefix // self.block_size, min(frontier // self.block_size, len(blocks))
+        freed = sum(1 for block in blocks[first:last] if not block.is_null)
         if freed:
-            self._remove_blocks_in_range(request_id, 0, last)
+            self._remove_blocks_in_range(request_id, first, last)
             self.stats.blocks_freed_by_eviction += freed
             self.stats.eviction_frees += 1
             self.metrics.get("kvevict_blocks_freed").inc(freed)
@@ -271,10 +285,24 @@ class EvictionManager(FullAttentionManager):
         # (block 0 is vLLM's null block and never free).
         pool = self.block_pool
         stats.blocks_held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        stats.protected_prefix_blocks = self._protected_prefix_blocks()
         stats.live_requests = len(self.req_to_blocks)
         stats.peak_blocks_held = max(stats.peak_blocks_held, stats.blocks_held)
         self._write_snapshot(force)
         self._update_metrics(force)
+
+    def _protected_prefix_blocks(self) -> int:
+        """Distinct blocks of the running requests' protected prefixes."""
+        if not self.schedule.max_protected_prefix:
+            return 0
+        held = set()
+        for request_id, blocks in self.req_to_blocks.items():
+            trace = self.stats.live.get(request_id)
+            schedule = self.schedule_of(request_id)
+            if trace is not None and schedule is not None:
+                prefix_blocks = schedule.protected_prefix(trace.prompt_len) // self.block_size
+                held.update(block.block_id for block in blocks[:prefix_blocks] if not block.is_null)
+        return len(held)
 
     def _update_metrics(self, force: bool) -> None:
         logical, retained = self._logical_tokens, self._retained_tokens
@@ -283,6 +311,7 @@ class EvictionManager(FullAttentionManager):
         metrics.get("kvevict_retained_tokens").set(retained)
         metrics.get("kvevict_compression_ratio").set(logical / retained if retained else 1.0)
         metrics.get("kvevict_blocks_held").set(self.stats.blocks_held)
+        metrics.get("kvevict_protected_prefix_tokens").set(self.stats.protected_prefix_blocks * self.block_size)
         metrics.export(force)
 
     def _write_snapshot(self, force: bool) -> None:

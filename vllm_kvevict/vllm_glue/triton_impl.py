@@ -37,9 +37,14 @@ class TritonEvictingImpl(EvictingImpl):
     ) -> None:
         num_tokens = plan.query_start[-1]
         query_start, seq_lens, frontier = plan.device_lengths(query.device)
+        region = plan.region_start
+        if plan.storage == "slots":
+            region = frontier
+            if any(plan.protected_prefix):
+                region = torch.tensor(plan.slots_region_start(), dtype=torch.int64, device=query.device)
         self._attend_head_pages(
             plan, layer_index, query[:num_tokens], cache, output[:num_tokens],
-            query_start, seq_lens, slice(None), frontier if plan.storage == "slots" else plan.region_start,
+            query_start, seq_lens, slice(None), region,
         )
 
     def _attend_segment(
@@ -51,7 +56,11 @@ class TritonEvictingImpl(EvictingImpl):
         region from the new frontier, with head pages the compacted tokens
         and the standard region from the point."""
         tokens = ev.segment_tokens
-        region = ev.frontier_after if plan.storage == "slots" else ev.point
+        region = ev.point
+        if plan.storage == "slots":
+            # From the new frontier, or from 0 while the tokens lie in the
+            # protected prefix (the frontier is then the prefix's end).
+            region = ev.frontier_after if ev.point >= ev.protected_prefix else 0
         self._attend_head_pages(
             plan, layer_index, query[tokens], cache, output[tokens],
             [0, tokens.stop - tokens.start], [ev.segment_end],
