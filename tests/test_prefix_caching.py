@@ -84,6 +84,7 @@ def test_shared_prefix_is_hit_protected_and_unaltered(prefix_server, reference, 
     assert reference.schedule.protected_prefix(len(first)) == PREFIX
 
     hits = [prefix_server.metric(HITS)]
+    admitted = prefix_server.stats()["requests_admitted"]
     served_first = _complete(prefix_server, first)
     hits.append(prefix_server.metric(HITS))
     served_second = _complete(prefix_server, second)
@@ -96,18 +97,23 @@ def test_shared_prefix_is_hit_protected_and_unaltered(prefix_server, reference, 
     assert served_second == reference.generate(second, MAX_TOKENS)
     assert served_again == served_first
     stats, workers = prefix_server.wait_idle()
+    assert stats["requests_admitted"] == admitted + 3  # those that found the prefix too
     assert stats["blocks_freed_by_eviction"] > 0
     assert workers[0]["nan_outputs"] == 0 and workers[0]["blocks_poisoned"] > 0
 
 
 def test_concurrent_requests_hold_the_prefix_once(prefix_server, reference, system_prompt, tokenizer):
-    """Three requests sharing the system prompt at once, one of them dropped
-    by its client mid-decode: while they run the scheduler counts the
-    prefix's 32 blocks once (``kvevict_protected_prefix_tokens`` 1,024) and
-    each request holds at most its prefix plus its own budget; afterwards
-    every block is back in the pool, nothing read NaN, and a later request
-    on the same prefix still equals the reference."""
-    prompts = [system_prompt + _document(tokenizer, key) for key in (11117, 22229, 33331)]
+    """Five requests sharing the system prompt at once (more than the pool
+    holds: vLLM preempts, and a preempted request finds the prefix in the
+    cache again), one of them dropped by its client mid-decode: while they
+    run the scheduler counts the prefix's 32 blocks once and each request
+    keeps at most its prefix plus its own budget; afterwards every block is
+    back in the pool, nothing read NaN, and a later request on the same
+    prefix still equals the reference."""
+    keys = (11117, 22229, 33331, 44449, 66661)
+    prompts = [system_prompt + _document(tokenizer, key) for key in keys]
+    preemptions = prefix_server.metric("vllm:num_preemptions_total")
+    admitted = prefix_server.stats()["requests_admitted"]
     samples: list[dict] = []
     done = threading.Event()
 
@@ -136,8 +142,8 @@ def test_concurrent_requests_hold_the_prefix_once(prefix_server, reference, syst
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    threads = [threading.Thread(target=_complete, args=(prefix_server, p, 80)) for p in prompts[:2]]
-    threads.append(threading.Thread(target=drop_mid_decode, args=(prompts[2],)))
+    threads = [threading.Thread(target=_complete, args=(prefix_server, p, 80)) for p in prompts[:-1]]
+    threads.append(threading.Thread(target=drop_mid_decode, args=(prompts[-1],)))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -150,9 +156,11 @@ def test_concurrent_requests_hold_the_prefix_once(prefix_server, reference, syst
     assert max(s["protected_prefix_blocks"] for s in together) == PREFIX // BLOCK
     stats, workers = prefix_server.wait_idle()
     assert stats["blocks_held"] == 0 and stats["protected_prefix_blocks"] == 0
+    assert prefix_server.metric("vllm:num_preemptions_total") > preemptions, "the load was meant to preempt"
+    assert stats["requests_admitted"] > admitted + len(prompts)  # the preempted ones twice
     # After its last eviction a request keeps the prefix and, after it, its
     # budget plus less than a block and a decode interval.
-    finished = stats["recent_requests"][-3:]
+    finished = [t for t in stats["recent_requests"] if t["tokens"] > t["prompt_len"]][-len(prompts):]
     assert all(t["retained"] <= PREFIX + 512 + 2 * BLOCK for t in finished), finished
     assert workers[0]["nan_outputs"] == 0
     later = system_prompt + _document(tokenizer, 55541)

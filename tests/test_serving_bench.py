@@ -133,6 +133,14 @@ def test_managed_servers_share_flags_and_differ_in_eviction(tmp_path) -> None:
     assert flag_value(snap.server_args, "--kv-eviction") == "snapkv"
     assert json.loads(flag_value(snap.server_args, "--kv-eviction-config")) == {
         **settings[1].eviction, "budget": 992}
+    # "+prefix": vLLM's prefix caching on, for eviction with prefix_caching shared.
+    shared = [parse_setting("full+prefix"), parse_setting("snapkv+prefix@0.25")]
+    full_prefix, snap_prefix = plan_managed(args, shared, str(tmp_path), {"w": 1}, [3990, 4000])
+    for plan in (full_prefix, snap_prefix):
+        assert "--enable-prefix-caching" in plan.server_args
+        assert "--no-enable-prefix-caching" not in plan.server_args
+    assert "--kv-eviction" not in full_prefix.server_args and shared[1].name == "snapkv+prefix@0.25"
+    assert json.loads(flag_value(snap_prefix.server_args, "--kv-eviction-config"))["prefix_caching"] == "shared"
     small = sb.build_parser().parse_args(["--pool-blocks", "100"])
     with pytest.raises(ValueError, match="cannot hold one full request"):
         plan_managed(small, settings, str(tmp_path), {}, [4000])
@@ -585,3 +593,18 @@ def test_results_store_resumes_same_parameters_only(tmp_path) -> None:
     assert again.get("other", params) is None
     assert [r["name"] for r in again.matching({"requests": 1, "seed": [0, 1]})] == [FULL]
     assert again.matching({"requests": 2}) == []
+
+
+def test_shared_prefix_prompts_start_alike(tokenizer) -> None:
+    """--shared-prefix-tokens: every prompt starts with the same system prompt
+    of about that many tokens (their first whole blocks agree), then its own
+    session number and document; without it no two share a first block."""
+    prompts = sb.build_prompts(tokenizer, 3, 1500, seed=1, shared_prefix_tokens=512)
+    ids = [tokenizer(p).input_ids for p in prompts]
+    common = 0
+    while all(len(i) > common and i[common] == ids[0][common] for i in ids):
+        common += 1
+    assert 500 <= common <= 530, common
+    assert all(1400 <= len(i) <= 1600 for i in ids)
+    plain = [tokenizer(p).input_ids for p in sb.build_prompts(tokenizer, 3, 1500, seed=1)]
+    assert len({tuple(i[:32]) for i in plain}) == 3

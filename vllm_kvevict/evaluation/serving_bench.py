@@ -38,6 +38,7 @@ same parameters is not run again unless ``--force``), ``bench.png`` and
     kvevict bench --setting full-unbounded --setting full --setting snapkv@0.25
     kvevict bench --setting full=http://gpu-host:8000 --tokenizer MODEL
     kvevict bench --setting snapkv@0.25 --kv-eviction-config '{"prefill_mode": "per_chunk"}'
+    kvevict bench --shared-prefix-tokens 1024 --setting full+prefix --setting snapkv@0.25 --setting snapkv+prefix@0.25
     kvevict bench --setting full --setting snapkv@0.25 --server-args "--dtype bfloat16"
 """
 
@@ -657,18 +658,40 @@ def plot_timeline(timelines: dict[str, Sequence[MetricSample]], path: Path,
 # ---------------------------------------------------------------- workload
 
 
-def build_prompts(tokenizer: Any, count: int, prompt_tokens: int, seed: int) -> list[str]:
+SYSTEM_PROMPT = (
+    "You are the archive's assistant. The documents below come from one archive; answer "
+    "questions about them exactly, quoting numbers digit by digit, and say so when a "
+    "document does not contain the answer. "
+)
+
+
+def shared_system_prompt(tokenizer: Any, tokens: int) -> str:
+    """A system prompt of about ``tokens`` tokens, the same for every request."""
+    rules = " ".join(
+        f"Rule {i}: records of shelf {i} date from {1700 + 3 * i} and are filed under "
+        f"{['red', 'green', 'blue', 'grey'][i % 4]} tabs." for i in range(1, 4 * tokens)
+    )
+    ids = tokenizer(SYSTEM_PROMPT + rules).input_ids[:tokens]
+    return tokenizer.decode(ids) + "\n\n"
+
+
+def build_prompts(tokenizer: Any, count: int, prompt_tokens: int, seed: int,
+                  shared_prefix_tokens: int = 0) -> list[str]:
     """``count`` passkey prompts of about ``prompt_tokens`` tokens, each from its own
     seed (key and needle depth). Each starts with its own session number, so no two
-    share a first block and prefix caching cannot serve one from another."""
+    share a first block and prefix caching cannot serve one from another; with
+    ``shared_prefix_tokens``, each starts with the same system prompt of that many
+    tokens (the session number and document follow)."""
     from vllm_kvevict.evaluation.tasks import needle_prompt
 
+    system = shared_system_prompt(tokenizer, shared_prefix_tokens) if shared_prefix_tokens else ""
     prompts = []
     for index in range(count):
         rng = random.Random(f"kvevict-bench:{seed}:{index}")
         key = rng.randint(10_000, 99_999)
         header = f"Session {rng.randint(10_000_000, 99_999_999)}. "
-        prompts.append(header + needle_prompt(tokenizer, key, prompt_tokens, rng.random()))
+        document = needle_prompt(tokenizer, key, prompt_tokens - shared_prefix_tokens, rng.random())
+        prompts.append(system + header + document)
     return prompts
 
 
@@ -937,8 +960,6 @@ def managed_server_args(args: argparse.Namespace, max_model_len: int) -> list[st
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(max_model_len), "--enforce-eager",
-        # Same for every setting: eviction turns prefix caching off itself.
-        "--no-enable-prefix-caching",
     ]
 
 
@@ -1015,6 +1036,8 @@ def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], m
                                    context=f"setting {setting.name} at {mean_prompt:.0f} prompt tokens")
         if eviction is not None:
             server_args += ["--kv-eviction", setting.policy, "--kv-eviction-config", json.dumps(eviction)]
+        # Prefix caching only where the setting asks for it ("+prefix").
+        server_args.append("--enable-prefix-caching" if setting.prefix_caching else "--no-enable-prefix-caching")
         server_args += extra
         params = {"workload": workload, "model": model, "server_args": server_args}
         plans.append(PlannedRun(setting, params, budget, server_args, setting_pool))
@@ -1030,9 +1053,12 @@ def plan_managed(args: argparse.Namespace, settings: Sequence[ServingSetting], m
 
 
 def _workload(args: argparse.Namespace, tokenizer_source: str) -> dict[str, Any]:
-    return {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed,
-            "tokenizer": tokenizer_source}
+    workload = {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
+                "max_tokens": args.max_tokens, "concurrency": args.concurrency, "seed": args.seed,
+                "tokenizer": tokenizer_source}
+    if args.shared_prefix_tokens:
+        workload["shared_prefix_tokens"] = args.shared_prefix_tokens
+    return workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1065,6 +1091,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, default=None,
                       help="client threads (default: all requests at once)")
     load.add_argument("--seed", type=int, default=0, help="seed of the prompts (keys, needle depths)")
+    load.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                      help="every prompt starts with the same system prompt of N tokens (part of "
+                      "--prompt-tokens), which settings with '+prefix' share through vLLM's prefix "
+                      "cache, e.g. --setting full+prefix --setting snapkv@0.25 --setting "
+                      "snapkv+prefix@0.25")
     server = parser.add_argument_group("managed servers")
     server.add_argument("--pool-blocks", type=int, default=None,
                         help="KV pool in blocks, vLLM's null block included (default: what "
@@ -1140,7 +1171,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(f"cannot load the tokenizer {tokenizer_source!r} ({exc}); pass --tokenizer "
                      "with a local copy of the served model's tokenizer")
-    prompts = build_prompts(tokenizer, args.requests, args.prompt_tokens, args.seed)
+    if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
+        parser.error(f"--shared-prefix-tokens {args.shared_prefix_tokens} must be in [0, "
+                     f"--prompt-tokens {args.prompt_tokens})")
+    prompts = build_prompts(tokenizer, args.requests, args.prompt_tokens, args.seed, args.shared_prefix_tokens)
     lengths = [len(tokenizer(p).input_ids) for p in prompts]
     mean_prompt = float(np.mean(lengths))
     print(f"{args.requests} prompts of {min(lengths)}..{max(lengths)} tokens "

@@ -20,6 +20,7 @@ from typing import Any
 
 FULL = "full"
 FULL_UNBOUNDED = "full-unbounded"  # `kvevict bench` only: no eviction, no memory limit
+PREFIX = "+prefix"  # a setting with vLLM's prefix caching on (eviction: prefix_caching shared)
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -33,6 +34,7 @@ class ServingSetting:
     fraction: float | None = None  # budget = fraction x mean prompt tokens, or
     budget_tokens: int | None = None  # a fixed budget
     unbounded: bool = False  # no eviction in a KV pool for every request at once (bench)
+    prefix_caching: bool = False  # vLLM's prefix caching on (with eviction: prefix_caching shared)
 
     @property
     def managed(self) -> bool:
@@ -97,12 +99,14 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     ``CONFIG@TOKENS`` (a budget, a multiple of the block size). ``extra`` options
     go into every eviction config (e.g. ``{"prefill_mode": "per_chunk"}``); the
     setting gives the budget, and a policy in ``extra`` must be the setting's.
+    ``+prefix`` after ``full``, ``full-unbounded`` or CONFIG serves with vLLM's
+    prefix caching on (``snapkv+prefix@0.25``: ``prefix_caching: shared``).
     ValueError naming the fix for anything the plugin would refuse at any budget."""
     text = text.strip()
-    if text == FULL:
-        return ServingSetting(FULL)
-    if text == FULL_UNBOUNDED:
-        return ServingSetting(FULL_UNBOUNDED, unbounded=True)
+    if text in (FULL, FULL + PREFIX):
+        return ServingSetting(text, prefix_caching=text != FULL)
+    if text in (FULL_UNBOUNDED, FULL_UNBOUNDED + PREFIX):
+        return ServingSetting(text, unbounded=True, prefix_caching=text != FULL_UNBOUNDED)
     if "=" in text:
         name, url = text.split("=", 1)
         if not name or not url.startswith(("http://", "https://")):
@@ -130,8 +134,13 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     else:
         raise ValueError(f"setting {text!r}: give a kept fraction in (0, 1] or a budget in "
                          f"tokens that is a multiple of {block_size}")
+    prefix_caching = config.endswith(PREFIX)
+    if prefix_caching:
+        config = config[: -len(PREFIX)]
     eviction = resolve_config(config)
     extra = dict(extra or {})
+    if prefix_caching:
+        extra["prefix_caching"] = "shared"
     if extra.get("policy", eviction["policy"]) != eviction["policy"]:
         raise ValueError(f"setting {text!r} serves policy {eviction['policy']!r}, and "
                          f"--kv-eviction-config names {extra['policy']!r}: drop its policy, "
@@ -139,8 +148,9 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     eviction = {**eviction, **extra}
     eviction.pop("budget", None)
     label = Path(config).stem if config.endswith((".yaml", ".yml", ".json")) else config
+    label += PREFIX if prefix_caching else ""
     setting = ServingSetting(f"{label}@{amount:g}", eviction=eviction, fraction=fraction,
-                             budget_tokens=budget)
+                             budget_tokens=budget, prefix_caching=eviction.get("prefix_caching") == "shared")
     # Fail now on what is wrong at any budget; a budget that depends on the
     # prompt is checked by eviction_config once the prompts exist.
     if budget is not None:

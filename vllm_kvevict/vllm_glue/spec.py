@@ -164,6 +164,7 @@ class EvictionManager(FullAttentionManager):
         kwargs["max_admission_blocks_per_request"] = self.server_admission_blocks
         super().__init__(kv_cache_spec, **kwargs)
         self.stats = ManagerStats()
+        self._admitted: set[str] = set()  # requests allocated for since their blocks were last freed
         labels = dict(kv_cache_spec.metric_labels) or {
             "model_name": "", "engine": "0", "policy": ""
         }
@@ -249,10 +250,13 @@ class EvictionManager(FullAttentionManager):
             self._account(request_id, force=True)
 
     def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        is_new = request_id not in self.req_to_blocks
+        # A request that found blocks in the prefix cache holds them before
+        # its first allocation: admitted is what was never allocated for.
+        is_new = request_id not in self._admitted
         free_before = self.block_pool.get_num_free_blocks()
         new_blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
         if is_new:
+            self._admitted.add(request_id)
             self.stats.requests_admitted += 1
             self.metrics.get("kvevict_requests_admitted").inc()
             # Without eviction vLLM admits a request only when its whole
@@ -270,6 +274,7 @@ class EvictionManager(FullAttentionManager):
             self._logical_tokens -= trace.tokens
             self._retained_tokens -= trace.retained
         super().free(request_id)
+        self._admitted.discard(request_id)
         self.request_schedules.pop(request_id, None)
         self.stats.finish(request_id)
         self._account(None, force=True)
