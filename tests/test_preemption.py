@@ -10,7 +10,9 @@ of 12 blocks, the fewest that admit a request:
 * ``head_pages_moments``: MomentKV, head pages with the moment correction
   (configs/momentkv.yaml);
 * ``global``: the learned policy with the gates shipped for the default model,
-  one ranking over every layer's pooled blocks (configs/learned.yaml).
+  one ranking over every layer's pooled blocks (configs/learned.yaml);
+* ``head_pages_prefix``: AdaKV + SnapKV with ``prefix_caching: shared`` (the
+  first 64 tokens of a prompt protected and cached; two more pool blocks).
 
 The whole suite runs with ``KVEVICT_POISON_FREED_BLOCKS=1`` (see conftest):
 blocks returned to vLLM's pool are filled with NaN and every attention output
@@ -77,11 +79,13 @@ class StorageCase:
     # Whether a request's output is independent of how the scheduler cut its
     # steps (every eviction point applied inside the forward pass).
     same_output_under_load: bool = True
+    options: tuple[tuple[str, object], ...] = ()  # settings on top of the config's
+    extra_blocks: int = 0  # pool blocks on top of POOL_BLOCKS
 
     def eviction(self) -> dict:
         from vllm_kvevict.config import parse_config_source
 
-        return {**parse_config_source(str(CONFIG_DIR / f"{self.config_file}.yaml")), **SCHEDULE}
+        return {**parse_config_source(str(CONFIG_DIR / f"{self.config_file}.yaml")), **SCHEDULE, **dict(self.options)}
 
 
 CASES = {
@@ -89,6 +93,12 @@ CASES = {
     "head_pages": StorageCase("head_pages", "adakv_snapkv"),
     "head_pages_moments": StorageCase("head_pages", "momentkv"),
     "global": StorageCase("global", "learned", same_output_under_load=False),
+    # prefix_caching shared: the long prompt's first two blocks are protected
+    # and cached (the pool grows by them); a preempted request finds them again.
+    "head_pages_prefix": StorageCase(
+        "head_pages", "adakv_snapkv",
+        options=(("prefix_caching", "shared"), ("max_protected_prefix_tokens", 64)), extra_blocks=2,
+    ),
 }
 
 
@@ -122,8 +132,10 @@ class Engine:
             time.sleep(0.1)
 
     def preemptions(self) -> int:
-        metrics = self.llm.get_metrics()
-        return int(sum(m.value for m in metrics if m.name == "vllm:num_preemptions"))
+        return self.counter("vllm:num_preemptions")
+
+    def counter(self, name: str) -> int:
+        return int(sum(m.value for m in self.llm.get_metrics() if m.name == name))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -148,7 +160,8 @@ def engine(request, model_dir, tmp_path_factory):
         max_num_seqs=8,
         enforce_eager=True,
         disable_log_stats=False,
-        kv_cache_memory_bytes=POOL_BLOCKS * DEFAULT_MODEL_BLOCK_BYTES + 4096,
+        kv_cache_memory_bytes=(POOL_BLOCKS + case.extra_blocks) * DEFAULT_MODEL_BLOCK_BYTES + 4096,
+        enable_prefix_caching=eviction.get("prefix_caching") == "shared",
         additional_config={"kv_eviction": eviction},
     )
     try:
@@ -191,8 +204,12 @@ def test_preempted_requests_evict_as_before(engine, tokenizer):
     _, worker_before = engine.wait_idle()
 
     before = engine.preemptions()
+    hits = engine.counter("vllm:prefix_cache_hits")
     together = _generate(llm, prompts)
     preemptions = engine.preemptions() - before
+    if engine.eviction.get("prefix_caching") == "shared":
+        # the long prompt's protected blocks, cached by its run alone
+        assert engine.counter("vllm:prefix_cache_hits") > hits
     stats, worker = engine.wait_idle()
     multi_point = worker["multi_point_steps"] - worker_before["multi_point_steps"]
     assert preemptions > 0, "the load was meant to force preemption"

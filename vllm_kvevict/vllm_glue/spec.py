@@ -254,15 +254,16 @@ class EvictionManager(FullAttentionManager):
         # its first allocation: admitted is what was never allocated for.
         is_new = request_id not in self._admitted
         free_before = self.block_pool.get_num_free_blocks()
+        found = len(self.req_to_blocks.get(request_id, ()))  # in the prefix cache
         new_blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
         if is_new:
             self._admitted.add(request_id)
             self.stats.requests_admitted += 1
             self.metrics.get("kvevict_requests_admitted").inc()
-            # Without eviction vLLM admits a request only when its whole
-            # prompt fits in the free blocks.
+            # Without eviction vLLM admits a request only when the blocks of
+            # its whole prompt (but those found in the cache) are free.
             trace = self.stats.live.get(request_id)
-            if trace is not None and cdiv(trace.prompt_len, self.block_size) > free_before:
+            if trace is not None and cdiv(trace.prompt_len, self.block_size) - found > free_before:
                 self.metrics.get("kvevict_requests_admitted_beyond_memory").inc()
         if new_blocks:
             self._account(request_id)
