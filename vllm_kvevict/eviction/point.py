@@ -37,6 +37,16 @@ class EvictionPoint:
     backend_data: Any = None  # what the backend needs for the segment's attention
 
     @property
+    def slots_segment_region(self) -> tuple[int, int]:
+        """slots storage: the protected-prefix tokens the tokens after the
+        point read, and where their standard region starts: the prefix and
+        the new frontier, or ``(0, 0)`` while they lie in the prefix (the
+        frontier is then the prefix's end, nothing evicted)."""
+        if self.point >= self.protected_prefix:
+            return self.protected_prefix, self.frontier_after
+        return 0, 0
+
+    @property
     def segment_tokens(self) -> slice:
         """Batch indices of the tokens that attend after this eviction."""
         first = self.query_start + self.point - self.tokens_before

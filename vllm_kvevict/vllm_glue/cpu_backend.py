@@ -338,12 +338,9 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
                 ev.backend_data, output[tokens],
             )
         else:
-            # From the new frontier after the prefix, or from 0 while the
-            # tokens lie in the prefix (the frontier is then the prefix's end).
-            after_prefix = ev.point >= ev.protected_prefix
+            prefix, start = ev.slots_segment_region
             self._region_attention(
-                plan, cache, ev.batch_index, tokens, ev.protected_prefix if after_prefix else 0,
-                ev.frontier_after if after_prefix else 0, ev.segment_end, query, output,
+                plan, cache, ev.batch_index, tokens, prefix, start, ev.segment_end, query, output
             )
 
     def _region_attention(

@@ -56,11 +56,7 @@ class TritonEvictingImpl(EvictingImpl):
         region from the new frontier, with head pages the compacted tokens
         and the standard region from the point."""
         tokens = ev.segment_tokens
-        region = ev.point
-        if plan.storage == "slots":
-            # From the new frontier, or from 0 while the tokens lie in the
-            # protected prefix (the frontier is then the prefix's end).
-            region = ev.frontier_after if ev.point >= ev.protected_prefix else 0
+        region = ev.slots_segment_region[1] if plan.storage == "slots" else ev.point
         self._attend_head_pages(
             plan, layer_index, query[tokens], cache, output[tokens],
             [0, tokens.stop - tokens.start], [ev.segment_end],
