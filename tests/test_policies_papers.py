@@ -291,6 +291,39 @@ def test_criticalkv_keeps_budget_and_first_stage_under_adakv(seed):
         assert {0, 1} | set(range(88, 96)) <= chosen
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_criticalkv_pooled_stage_two_equals_loop(seed):
+    """stage_two_kernel_size k: each stage-2 candidate ranks by the largest
+    (A_i + ε) ‖v_i W_O‖₁ among the candidates within k // 2 of it (tokens of
+    stage 1, sinks and the recent window are not candidates); stage 1 is
+    unchanged. Brute force over every token, AdaKV counts per head."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = _inputs(gen, heads=3, live=96, window=16)
+    kernel = 7
+    policy = CriticalKVPolicy(stage_two_kernel_size=kernel)
+    plain = CriticalKVPolicy()
+    scores = policy.masked_scores(inputs, num_sink=2, num_recent=8, point=96)
+    counts = allocate_head_tokens(AdaKVAllocation(0.2), scores, total_pages=6, page_size=8)
+    kept = select_top(policy.refine_scores(inputs, scores, counts), counts)
+    norms = projected_value_norms(inputs.values, inputs.output_projection)
+    for h, count in enumerate(counts.tolist()):
+        first = torch.sort(scores[h], descending=True, stable=True).indices[: count // 2].tolist()
+        protected = [j for j in range(96) if scores[h, j] == float("inf")]
+        fixed = set(first) | set(protected)
+        candidates = [j for j in range(96) if j not in fixed]
+        product = {j: (float(scores[h, j]) + policy.epsilon) * float(norms[h, j]) for j in candidates}
+        pooled = {j: max(product[i] for i in candidates if abs(i - j) <= kernel // 2) for j in candidates}
+        rest = sorted(candidates, key=lambda j: -pooled[j])[: count - len(fixed)]
+        assert set(kept[h, :count].tolist()) == fixed | set(rest)
+    # k = 1 is the paper's per-token product
+    assert torch.equal(
+        select_top(CriticalKVPolicy(stage_two_kernel_size=1).refine_scores(inputs, scores, counts), counts),
+        select_top(plain.refine_scores(inputs, scores, counts), counts),
+    )
+    with pytest.raises(ValueError, match="stage_two_kernel_size must be a positive odd number"):
+        CriticalKVPolicy(stage_two_kernel_size=4)
+
+
 def test_criticalkv_first_stage_holds_half_the_attention_on_smollm2(model_dir, tokenizer):
     """Assumption 3.4 on the default model: at a 20% budget the first stage
     (top 10% of a ~1k-token prefix by SnapKV's window attention) holds more

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.options import build_with_options
@@ -74,6 +75,13 @@ class CriticalKVPolicy(EvictionPolicy):
        are part of this stage, as in the authors' code;
     2. stage 2 fills the rest by ``(A_j + ε) ‖v_j W_O‖₁`` (footnote 3), the
        norm averaged over the query heads of the group.
+
+    ``stage_two_kernel_size`` > 1 max-pools stage 2's score along the
+    sequence among its candidates, as SnapKV pools its votes: the per-token
+    norm otherwise undoes the base's pooling, and on the default model, which
+    writes numbers digit by digit, stage 2 then keeps a number but drops its
+    last digits (RULER at 4k, ``benchmarks/README.md``). 1 is the paper's
+    per-token product.
     """
 
     name = "criticalkv"
@@ -85,6 +93,7 @@ class CriticalKVPolicy(EvictionPolicy):
     base_options: dict[str, Any] = field(default_factory=dict)
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4
+    stage_two_kernel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
@@ -94,6 +103,11 @@ class CriticalKVPolicy(EvictionPolicy):
         if not 0.0 <= self.first_stage_ratio <= 1.0:
             raise ValueError(
                 f"criticalkv first_stage_ratio must be in [0, 1], got {self.first_stage_ratio}"
+            )
+        if self.stage_two_kernel_size < 1 or self.stage_two_kernel_size % 2 == 0:
+            raise ValueError(
+                "criticalkv stage_two_kernel_size must be a positive odd number, got "
+                f"{self.stage_two_kernel_size}"
             )
         if not isinstance(self.base_options, dict):
             raise ValueError(f"criticalkv base_options must be a mapping, got {self.base_options!r}")
@@ -122,6 +136,9 @@ class CriticalKVPolicy(EvictionPolicy):
         # protected (+inf), not padding (-inf).
         candidates = ~first & torch.isfinite(scores)
         norms = projected_value_norms(inputs.values, inputs.output_projection, candidates)
-        refined = (scores.float() + self.epsilon) * norms
+        refined = torch.where(candidates, (scores.float() + self.epsilon) * norms, 0.0)
+        if self.stage_two_kernel_size > 1:
+            pad = self.stage_two_kernel_size // 2
+            refined = F.max_pool1d(refined[None], self.stage_two_kernel_size, stride=1, padding=pad)[0]
         refined = refined.masked_fill(first | (scores == float("inf")), float("inf"))
         return refined.masked_fill(scores == float("-inf"), float("-inf"))
