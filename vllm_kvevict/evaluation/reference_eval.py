@@ -1,6 +1,6 @@
 """`kvevict eval --engine reference`: the same RULER samples and scores, decoded
 in this process by the reference decoder, one full-cache prefill per sample
-shared by every setting.
+shared by every setting that evicts at the end of the prompt.
 
 With ``prefill_mode: end_of_prompt`` every setting attends to the same full
 prompt before its eviction, so the prompt is run once
@@ -8,9 +8,13 @@ prompt before its eviction, so the prompt is run once
 that state and decodes (:meth:`~ReferenceEvictingDecoder.continue_from`,
 token for token what its own prefill gives: ``tests/test_reference_decoder.py``).
 A policy study of ten settings then costs one prefill and ten short decodes
-per sample instead of ten served prefills. It is the decoder the plugin's
-greedy tokens are tested against, in fp32; served scores can differ from it
-where fp32 rounding of a batched server flips a near-tie.
+per sample instead of ten served prefills. The other settings (``per_chunk``
+eviction, the learned policy's gates) evict inside the prompt, so each runs
+its own chunked prefill (:meth:`~ReferenceEvictingDecoder.generate`, chunks
+of 512 tokens as the servers' ``--max-num-batched-tokens``) on a decoder of
+its own. It is the decoder the plugin's greedy tokens are tested against, in
+fp32; served scores can differ from it where fp32 rounding of a batched
+server flips a near-tie.
 
 Records go to the same ``samples.jsonl`` as served runs, with a signature
 naming this engine, so tables, intervals, ``--compare`` and resuming work
@@ -39,21 +43,21 @@ def reference_signature(eviction: dict[str, Any] | None) -> str:
 
 def check_settings(settings: list[ServingSetting]) -> None:
     """What this engine cannot run, refused before any prompt is built."""
-    from vllm_kvevict.config import build_config
-
     for setting in settings:
         if not setting.managed:
             raise ValueError(f"setting {setting.name}: --engine reference decodes in this process; "
                              "a running server (NAME=URL) needs --engine serve")
-        if setting.eviction is None:
-            continue
-        config = build_config({**setting.eviction, "budget": 1 << 16})
-        if config.prefill_mode != "end_of_prompt" or config.head_budget == "global":
-            raise ValueError(
-                f"setting {setting.name}: --engine reference shares one prefill between settings, "
-                "so it runs prefill_mode end_of_prompt with head_budget uniform or adaptive; "
-                "serve this one (--engine serve)"
-            )
+
+
+def shares_prompt(config: Any) -> bool:
+    """Whether a setting continues from the shared full-cache prefill: it evicts
+    once, at the end of the prompt, and needs nothing computed during the
+    prompt but its keys, values and last queries (the learned policy's gates
+    read every layer's input as the prompt runs)."""
+    if config is None:
+        return True
+    policy = config.build_policy()
+    return config.prefill_mode == "end_of_prompt" and not policy.needs_log_beta
 
 
 class ReferenceEvalRunner:
@@ -79,6 +83,7 @@ class ReferenceEvalRunner:
         check_settings(settings)
         decoder = ReferenceEvictingDecoder(self.model_dir, None)
         for length, samples in samples_by_length.items():
+            own: dict[str, Any] = {}  # setting name -> its own decoder, for this length's budget
             mean_prompt = sum(s.prompt_tokens for s in samples) / len(samples)
             plans = []
             for setting in settings:
@@ -86,7 +91,10 @@ class ReferenceEvalRunner:
                 config = None if eviction is None else build_config(eviction)
                 plans.append((setting, config, reference_signature(eviction),
                               None if eviction is None else eviction["budget"]))
-            window = max([c.observation_window for _, c, _, _ in plans if c is not None], default=1)
+                if not shares_prompt(config):
+                    own[setting.name] = ReferenceEvictingDecoder(self.model_dir, config)
+            window = max([c.observation_window for _, c, _, _ in plans
+                          if c is not None and shares_prompt(c)], default=1)
             bar = tqdm(total=len(samples), desc=f"reference @ {length}", unit="sample",
                        disable=not self.progress, dynamic_ncols=True)
             # Sample i of every task before sample i + 1 of any: a run cut short
@@ -96,21 +104,25 @@ class ReferenceEvalRunner:
                 todo = [p for p in plans
                         if self.log.get((p[0].name, length, sample.task, sample.index), p[2], sha) is None]
                 if todo:
-                    self._score(decoder, sample, length, sha, window, todo)
+                    self._score(decoder, own, sample, length, sha, window, todo)
                 bar.update()
             bar.close()
         wanted = {(s.name, length, x.task, x.index)
                   for s in settings for length, xs in samples_by_length.items() for x in xs}
         return [r for key, r in self.log.records.items() if key in wanted]
 
-    def _score(self, decoder: Any, sample: RulerSample, length: int, sha: str, window: int,
-               plans: list[tuple[ServingSetting, Any, str, int | None]]) -> None:
+    def _score(self, decoder: Any, own: dict[str, Any], sample: RulerSample, length: int, sha: str,
+               window: int, plans: list[tuple[ServingSetting, Any, str, int | None]]) -> None:
         prompt_ids = self.tokenizer(sample.prompt)["input_ids"]
-        state = decoder.run_prompt(prompt_ids, keep_queries=window)
+        shared = [p for p in plans if p[0].name not in own]
+        state = decoder.run_prompt(prompt_ids, keep_queries=window) if shared else None
         max_tokens = min(sample.tokens_to_generate, self.max_new_tokens)
         for setting, config, sig, budget in plans:
             start = time.perf_counter()
-            tokens = decoder.continue_from(state, config, max_tokens, stop_at_eos=True)
+            if setting.name in own:
+                tokens = own[setting.name].generate(prompt_ids, max_tokens, stop_at_eos=True)
+            else:
+                tokens = decoder.continue_from(state, config, max_tokens, stop_at_eos=True)
             seconds = time.perf_counter() - start
             if tokens and tokens[-1] in decoder.eos_token_ids:
                 tokens = tokens[:-1]  # a server's text and token ids stop before EOS

@@ -735,7 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=["serve", "reference"], default="serve",
                         help="serve: each setting through `vllm serve`; reference: decoded in this "
                         "process by the reference decoder, one full-cache prefill per sample shared by "
-                        "every end_of_prompt setting (for policy studies; see reference_eval.py)")
+                        "every end_of_prompt setting, a prefill of its own for the others (for "
+                        "policy studies; see reference_eval.py)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight per server")
     parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                         help="vllm serve flags for the servers the tool starts, as one string (they "
