@@ -455,16 +455,13 @@ README_OPTION_LABELS = {
 }
 
 
-def test_readme_policy_option_defaults_are_the_policies_defaults():
-    """Every `option` (default) in the README's policy_options row is the
-    policy's own default; every policy option is in the row."""
+def _readme_option_defaults() -> dict[str, dict[str, str | None]]:
+    """policy -> option -> the default the README's policy_options row writes
+    (its first choice where it lists several; None where it gives none)."""
     import re
-
-    from vllm_kvevict.policies import policy_options
 
     cell = _readme_setting_row("policy_options").split(" | ")[2]
     cell = cell.split(". `kvevict policies`")[0]
-    documented: dict[str, set[str]] = {}
     segments, depth, start = [], 0, 0
     for i, char in enumerate(cell):  # "; " between policies, not inside parentheses
         depth += {"(": 1, ")": -1}.get(char, 0)
@@ -472,32 +469,110 @@ def test_readme_policy_option_defaults_are_the_policies_defaults():
             segments.append(cell[start:i])
             start = i + 2
     segments.append(cell[start:])
+    documented: dict[str, dict[str, str | None]] = {}
     for segment in segments:
         label, _, items = segment.partition(": ")
         assert label in README_OPTION_LABELS, f"README policy_options: unknown label {label!r}"
         for name, default in re.findall(r"`(\w+)`(?: \(([^,)]+))?", items):
+            written = default.split("/")[0].strip()
+            literal = re.fullmatch(r"`[^`]+`|-?[0-9.e-]+|true|false", written)
             for policy in README_OPTION_LABELS[label]:
-                documented.setdefault(policy, set()).add(name)
-                written = default.split("/")[0].strip()
-                if not re.fullmatch(r"`[^`]+`|-?[0-9.e-]+|true|false", written):
-                    continue  # no default given, or a description
-                written = written.strip("`")
-                value = policy_options(policy)[name]
-                assert written == str(value).lower() or float(written) == value, (
-                    f"README says {policy} {name} defaults to {written}, the policy to {value!r}"
-                )
+                documented.setdefault(policy, {})[name] = written.strip("`") if literal else None
+    return documented
+
+
+def test_readme_policy_option_defaults_are_the_policies_defaults():
+    """Every `option` (default) in the README's policy_options row is the
+    policy's own default; every policy option is in the row."""
+    from vllm_kvevict.policies import policy_options
+
+    documented = _readme_option_defaults()
+    for policy, options in documented.items():
+        for name, written in options.items():
+            if written is None:
+                continue  # no default given, or a description
+            value = policy_options(policy)[name]
+            assert _readme_says(written, value), (
+                f"README says {policy} {name} defaults to {written}, the policy to {value!r}"
+            )
     for policy in {p for names in README_OPTION_LABELS.values() for p in names}:
-        assert documented[policy] >= set(policy_options(policy)), policy
+        assert set(documented[policy]) >= set(policy_options(policy)), policy
 
 
-def test_readme_head_budget_defaults_are_the_policies_defaults():
+def _readme_default(key: str, policy: str | None) -> str | None:
+    """The README settings table's default of ``key`` for ``policy``, written
+    as ``general; value for `a`, `b`; ...`` (None: no literal default)."""
     import re
 
-    cell = _readme_setting_row("head_budget").split(" | ")[1]
+    cell = _readme_setting_row(key).split(" | ")[1]
     general, *segments = cell.split("; ")
-    exceptions = {}
     for segment in segments:
-        budget, _, names = segment.partition(" for ")
-        exceptions.update({name: budget.strip("`") for name in re.findall(r"`(\w+)`", names)})
-    for name, policy in POLICIES.items():
-        assert policy.default_head_budget == exceptions.get(name, general.strip("`")), name
+        value, _, names = segment.partition(" for ")
+        if policy in re.findall(r"`(\w+)`", names):
+            general = value
+    written = general.strip().strip("`")
+    return written if re.fullmatch(r"[\w.{}-]+", written) and written != "—" else None
+
+
+def _readme_says(written: str, value: object) -> bool:
+    if str(value).lower() == written.lower() or (written == "{}" and value == {}):
+        return True
+    try:
+        return float(written) == float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
+# Settings whose README default is not one literal: the policy (required),
+# prefill_interval (vLLM's --max-num-batched-tokens), storage (from other settings).
+README_NON_LITERAL = {"policy", "prefill_interval", "storage"}
+
+
+def test_readme_setting_defaults_are_the_policies_defaults():
+    """Every row of the README's settings table gives, per policy, the value
+    that `--kv-eviction NAME` without a config gets."""
+    fields = [f for f in EvictionConfig.model_fields if f not in README_NON_LITERAL]
+    for name in POLICIES:
+        config = build_config({"policy": name})
+        for key in fields:
+            written = _readme_default(key, name)
+            assert written is not None, f"README.md has no literal default for {key}"
+            assert _readme_says(written, getattr(config, key)), (
+                f"README says {key} defaults to {written} for {name}; the config gives {getattr(config, key)!r}"
+            )
+
+
+@pytest.mark.skipif(not YAML_FILES, reason="no configs/*.yaml in this checkout")
+@pytest.mark.parametrize("path", [p for p in YAML_FILES if p.stem in POLICIES or p.stem == "default"],
+                         ids=lambda p: p.name)
+def test_a_shipped_config_agrees_with_the_readme(path):
+    """configs/NAME.yaml (and the policy-neutral default.yaml) sets every
+    setting, and every policy option, to the default the README's settings
+    table gives for that policy: a config and the table cannot disagree."""
+    data = parse_config_source(str(path))
+    policy = data.get("policy")
+    for key, value in data.items():
+        if key in ("policy", "policy_options"):
+            continue
+        written = _readme_default(key, policy)
+        assert written is not None and _readme_says(written, value), (
+            f"{path.name} sets {key}: {value!r}; README.md's settings table says {written}"
+        )
+    documented = _readme_option_defaults().get(policy, {})
+    options = dict(data.get("policy_options") or {})
+    base = options.pop("base", None)
+    for name, value in options.items():
+        if name == "base_options":
+            for base_name, base_value in value.items():
+                written = _readme_option_defaults()[base][base_name]
+                assert written is None or _readme_says(written, base_value), (
+                    f"{path.name} sets base_options.{base_name}: {base_value!r}; README.md says {written}"
+                )
+            continue
+        assert name in documented, f"{path.name}: option {name} is not in README.md's policy_options row"
+        written = documented[name]
+        assert written is None or _readme_says(written, value), (
+            f"{path.name} sets {name}: {value!r}; README.md's policy_options row says {written}"
+        )
+    if base is not None:
+        assert _readme_says(_readme_option_defaults()[policy]["base"], base), path.name
