@@ -3,17 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Under pytest-xdist (scripts/test_cpu.sh runs two workers) each worker and the
-# engines it starts keep to one core of their own: vLLM's CPU worker binds to
-# VLLM_CPU_OMP_THREADS_BIND (by default every engine picks the same core), and
-# torch in the worker runs one thread. Set before torch is first imported.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _WORKER.startswith("gw"):
-    _cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[int(_WORKER[2:]) % len(_cores)]))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
 
