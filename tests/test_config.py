@@ -576,3 +576,18 @@ def test_a_shipped_config_agrees_with_the_readme(path):
         )
     if base is not None:
         assert _readme_says(_readme_option_defaults()[policy]["base"], base), path.name
+
+
+def test_criticalkv_reads_its_bases_observation_window():
+    """A CriticalKV config without observation_window reads as many queries as
+    its base would on its own (Expected Attention's statistics: 128); a set
+    window wins."""
+    for base in ("snapkv", "expected_attention"):
+        config = build_config({"policy": "criticalkv", "policy_options": {"base": base}})
+        assert config.observation_window == build_config({"policy": base}).observation_window
+    assert build_config({"policy": "criticalkv", "policy_options": {"base": "expected_attention"}}
+                        ).observation_window == 128
+    assert build_config({"policy": "criticalkv", "observation_window": 48,
+                         "policy_options": {"base": "expected_attention"}}).observation_window == 48
+    with pytest.raises(KVEvictionConfigError, match="base"):
+        build_config({"policy": "criticalkv", "policy_options": {"base": "h2o"}})

@@ -178,7 +178,9 @@ class EvictionConfig(BaseModel):
         if data.get("head_budget") is None:
             data = {**data, "head_budget": policy.default_head_budget if policy else "uniform"}
         if data.get("observation_window") is None:
-            data = {**data, "observation_window": policy.default_observation_window if policy else 32}
+            options = data.get("policy_options")
+            window = policy.observation_window_for(options if isinstance(options, dict) else {}) if policy else 32
+            data = {**data, "observation_window": window}
         return data
 
     @model_validator(mode="after")

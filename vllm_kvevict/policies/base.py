@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -106,12 +106,18 @@ class EvictionPolicy(ABC):
     default_head_budget: ClassVar[str] = "uniform"
     default_observation_window: ClassVar[int] = 32
     """Recent queries the policy reads when the config sets no
-    ``observation_window``."""
+    ``observation_window`` (see :meth:`observation_window_for`)."""
     default_prefill_mode: ClassVar[str] = "per_chunk"
     """Query-based scorers default to ``end_of_prompt`` so that the question at
     the end of the prompt chooses what stays (measured: SnapKV found 0/6
     needles in ~3.8k-token prompts at 50% budget evicting per chunk, 6/6 at the
     end of the prompt; benchmarks/README.md)."""
+
+    @classmethod
+    def observation_window_for(cls, options: dict[str, Any]) -> int:
+        """The ``observation_window`` of a config that sets none, given its
+        ``policy_options`` (a policy built on another one reads that one's)."""
+        return cls.default_observation_window
 
     @abstractmethod
     def score(self, inputs: ScoringInputs) -> torch.Tensor:

@@ -116,6 +116,12 @@ class CriticalKVPolicy(EvictionPolicy):
         except ValueError as exc:
             raise ValueError(f"criticalkv base_options: {exc}") from None
 
+    @classmethod
+    def observation_window_for(cls, options: dict[str, Any]) -> int:
+        """The base's window: Expected Attention's query statistics read 128."""
+        base = options.get("base", cls.__dataclass_fields__["base"].default)
+        return BASES[base].default_observation_window if base in BASES else cls.default_observation_window
+
     @property
     def needs_rotary(self) -> bool:  # type: ignore[override]
         return self.base_policy.needs_rotary
