@@ -264,9 +264,9 @@ def test_make_policy_errors():
     ({"policy": "snapkv", "policy_options": {"pooling": "mean"}}, "must be one of 'max', 'avg'"),
     ({"policy": "expected_attention", "policy_options": {"use_covariance": 1}}, "must be true or false"),
     ({"policy": "learned", "head_budget": "global", "policy_options": {"gates": 3}}, "must be a string or null"),
-    ({"policy": "criticalkv", "policy_options": {"base_options": {"window": 3}}},
+    ({"policy": "criticalkv", "policy_options": {"base": "snapkv", "base_options": {"window": 3}}},
      "criticalkv base_options: policy 'snapkv' has no option 'window'"),
-    ({"policy": "criticalkv", "policy_options": {"base_options": {"kernel_size": 7.5}}},
+    ({"policy": "criticalkv", "policy_options": {"base": "snapkv", "base_options": {"kernel_size": 7.5}}},
      "criticalkv base_options: policy 'snapkv' option 'kernel_size' must be an integer"),
     ({"policy": "criticalkv", "policy_options": {"base_options": [7]}}, "must be a mapping"),
 ])

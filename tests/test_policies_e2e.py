@@ -27,7 +27,8 @@ CASES = {
     "momentkv-zeroth-order": {"policy": "momentkv", "budget": 256, "moment_covariance": "none"},
     # Needs the layer's rotary frequencies (read from vLLM's rotary_emb).
     "expected_attention": {"policy": "expected_attention", "budget": 512},
-    # Needs the layer's output projection (read through o_proj's quant method).
+    # Needs the layer's output projection (read through o_proj's quant method)
+    # and, on its default base (Expected Attention), the rotary frequencies.
     "criticalkv-adaptive": {"policy": "criticalkv", "budget": 512, "head_budget": "adaptive"},
     "h2o": {"policy": "h2o", "budget": 512},
     # Layer budgets falling with depth: every layer ranked after the last one,

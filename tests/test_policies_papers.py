@@ -238,7 +238,7 @@ def test_criticalkv_selection_and_bound(seed):
     gen = torch.Generator().manual_seed(seed)
     inputs = _single_query_inputs(gen)
     budget = 16
-    policy = CriticalKVPolicy(base_options={"kernel_size": 1}, epsilon=0.0)
+    policy = CriticalKVPolicy(base="snapkv", base_options={"kernel_size": 1}, epsilon=0.0)
     kept = policy.select(inputs, budget, 0, 0, point=64)[0]
     attention = torch.softmax(inputs.queries[0, 0] @ inputs.keys[0].T * inputs.scale, -1)
     projected = inputs.values[0] @ inputs.output_projection[0]  # [S, d_model]
@@ -278,7 +278,7 @@ def test_criticalkv_keeps_budget_and_first_stage_under_adakv(seed):
     the recent window and the top ⌊counts/2⌋ by base score are all kept."""
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, heads=3, live=96, window=16)
-    policy = CriticalKVPolicy()
+    policy = CriticalKVPolicy(base="snapkv")
     scores = policy.masked_scores(inputs, num_sink=2, num_recent=8, point=96)
     counts = allocate_head_tokens(AdaKVAllocation(0.2), scores, total_pages=6, page_size=8)
     assert int(counts.sum()) == 48
@@ -300,8 +300,8 @@ def test_criticalkv_pooled_stage_two_equals_loop(seed):
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, heads=3, live=96, window=16)
     kernel = 7
-    policy = CriticalKVPolicy(stage_two_kernel_size=kernel)
-    plain = CriticalKVPolicy()
+    policy = CriticalKVPolicy(base="snapkv", stage_two_kernel_size=kernel)
+    plain = CriticalKVPolicy(base="snapkv")
     scores = policy.masked_scores(inputs, num_sink=2, num_recent=8, point=96)
     counts = allocate_head_tokens(AdaKVAllocation(0.2), scores, total_pages=6, page_size=8)
     kept = select_top(policy.refine_scores(inputs, scores, counts), counts)
@@ -317,7 +317,7 @@ def test_criticalkv_pooled_stage_two_equals_loop(seed):
         assert set(kept[h, :count].tolist()) == fixed | set(rest)
     # k = 1 is the paper's per-token product
     assert torch.equal(
-        select_top(CriticalKVPolicy(stage_two_kernel_size=1).refine_scores(inputs, scores, counts), counts),
+        select_top(CriticalKVPolicy(base="snapkv", stage_two_kernel_size=1).refine_scores(inputs, scores, counts), counts),
         select_top(plain.refine_scores(inputs, scores, counts), counts),
     )
     with pytest.raises(ValueError, match="stage_two_kernel_size must be a positive odd number"):
