@@ -181,7 +181,7 @@ class PyramidAllocation(HeadAllocation):
     pages in all."""
 
     name = "pyramid"
-    beta: float = 20.0
+    beta: float = 2.0
 
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         streams = scores.shape[0]
