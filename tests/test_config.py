@@ -558,13 +558,14 @@ def test_a_shipped_config_agrees_with_the_readme(path):
         assert written is not None and _readme_says(written, value), (
             f"{path.name} sets {key}: {value!r}; README.md's settings table says {written}"
         )
-    documented = _readme_option_defaults().get(policy, {})
+    readme_options = _readme_option_defaults()
+    documented = readme_options.get(policy, {})
     options = dict(data.get("policy_options") or {})
     base = options.pop("base", None)
     for name, value in options.items():
         if name == "base_options":
             for base_name, base_value in value.items():
-                written = _readme_option_defaults()[base][base_name]
+                written = readme_options[base][base_name]
                 assert written is None or _readme_says(written, base_value), (
                     f"{path.name} sets base_options.{base_name}: {base_value!r}; README.md says {written}"
                 )
@@ -575,7 +576,7 @@ def test_a_shipped_config_agrees_with_the_readme(path):
             f"{path.name} sets {name}: {value!r}; README.md's policy_options row says {written}"
         )
     if base is not None:
-        assert _readme_says(_readme_option_defaults()[policy]["base"], base), path.name
+        assert _readme_says(documented["base"], base), path.name
 
 
 def test_criticalkv_reads_its_bases_observation_window():

@@ -93,8 +93,8 @@ class ReferenceEvalRunner:
                               None if eviction is None else eviction["budget"]))
                 if not shares_prompt(config):
                     own[setting.name] = ReferenceEvictingDecoder(self.model_dir, config)
-            window = max([c.observation_window for _, c, _, _ in plans
-                          if c is not None and shares_prompt(c)], default=1)
+            window = max([c.observation_window for setting, c, _, _ in plans
+                          if c is not None and setting.name not in own], default=1)
             bar = tqdm(total=len(samples), desc=f"reference @ {length}", unit="sample",
                        disable=not self.progress, dynamic_ncols=True)
             # Sample i of every task before sample i + 1 of any: a run cut short
