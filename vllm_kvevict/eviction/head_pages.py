@@ -140,11 +140,15 @@ def write_kept(
 ) -> None:
     """Each head's kept tokens into its new pages; its page table and positions."""
     assert rows.pages is not None
+    # index_select, not advanced indexing: on CPU a row gather through
+    # ``x[h, index]`` costs ~20x as much.
     for h, count in enumerate(counts):
         index = kept[h, :count]
-        cache.write_pages(new_pages[h], tokens.keys[h, index], tokens.values[h, index])
+        cache.write_pages(
+            new_pages[h], tokens.keys[h].index_select(0, index), tokens.values[h].index_select(0, index)
+        )
         rows.pages[h, : new_pages[h].numel()] = new_pages[h]
-        rows.positions[h, :count] = tokens.positions[h, index]
+        rows.positions[h, :count] = tokens.positions[h].index_select(0, index)
 
 
 def compact_head_pages(

@@ -51,7 +51,7 @@ class HeadPagedCache(CacheOps):
     def read_pages(self, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` tokens of the pages ``pages``, ``([length, D], [length, D])``."""
         head_dim = self.kv_cache.shape[-1]
-        chosen = self.head_pages[pages[: cdiv(length, self.block_size)].long()]
+        chosen = self.head_pages.index_select(0, pages[: cdiv(length, self.block_size)].long())
         keys = chosen[:, 0].reshape(-1, head_dim)[:length]
         values = chosen[:, 1].reshape(-1, head_dim)[:length]
         return keys, values
@@ -80,8 +80,8 @@ class HeadPagedCache(CacheOps):
         tokens = keys.new_zeros(2, num_pages * bs, head_dim)
         tokens[0, :num_tokens] = keys
         tokens[1, :num_tokens] = values
-        self.head_pages[pages[:num_pages].long()] = (
-            tokens.view(2, num_pages, bs, head_dim).transpose(0, 1)
+        self.head_pages.index_copy_(
+            0, pages[:num_pages].long(), tokens.view(2, num_pages, bs, head_dim).transpose(0, 1)
         )
 
     def write_slots(
