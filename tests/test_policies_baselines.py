@@ -2,6 +2,7 @@
 equations (fp64, one token at a time), on fresh random inputs."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -161,6 +162,55 @@ def test_momentkv_rounds_follow_algorithm_1(seed, rounds, covariance):
     protected = set(range(num_sink)) | set(range(24 - num_recent, 24))
     want = _greedy_rounds_reference(inputs, alpha, evicted_k, evicted_v, num_keep, rounds, protected, covariance)
     assert kept.tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_momentkv_rounds_shrink_with_the_share_an_eviction_adds(seed):
+    """Every head has evicted many tokens before (as at a decode-time
+    eviction): the eviction runs ceil(R x the largest share it adds to a
+    head's evicted count) rounds, and keeps what the from-scratch fp64 loop
+    of that many rounds keeps."""
+    from vllm_kvevict.policies import MomentKVPolicy, SnapKVPolicy
+    from vllm_kvevict.eviction.moments import EvictedMoments
+
+    gen = torch.Generator().manual_seed(300 + seed)
+    inputs = _inputs(gen, group=2, window=5)
+    heads, dim = 3, 16
+    before = [int(n) for n in torch.randint(30, 90, (heads,), generator=gen)]
+    evicted_k = [torch.randn(n, dim, generator=gen) for n in before]
+    evicted_v = [torch.randn(n, dim, generator=gen) for n in before]
+    summary = EvictedMoments.zeros(1, heads, dim, covariance="full")
+    for h in range(heads):
+        summary[0, h].fold_(evicted_k[h], evicted_v[h])
+    inputs.evicted = summary.row(0)
+    policy = MomentKVPolicy(rounds=8)
+    num_keep, num_sink, num_recent = 13, 2, 3
+    must_go = 24 - num_keep
+    share = max(Fraction(must_go, n + must_go) for n in before)
+    rounds = math.ceil(8 * share)
+    assert 1 < rounds < 8  # the case this test is for
+    assert policy.rounds_for(torch.full((heads,), must_go), inputs.evicted.count) == rounds
+    kept = policy.select(inputs, num_keep, num_sink, num_recent, 24)
+    alpha = SnapKVPolicy().score(inputs).double().tolist()
+    protected = set(range(num_sink)) | set(range(24 - num_recent, 24))
+    want = _greedy_rounds_reference(inputs, alpha, evicted_k, evicted_v, num_keep, rounds, protected, "full")
+    assert kept.tolist() == want
+
+
+@pytest.mark.parametrize(
+    "to_evict, before, rounds",
+    [
+        ([2900, 2880, 2910], [0, 0, 0], 8),  # the prompt's end: nothing evicted yet
+        ([32, 32, 32], [2900, 2880, 2910], 1),  # a decode-time eviction
+        ([32, 600, 0], [2900, 600, 0], 4),  # the largest share decides: 600 of 1,200
+        ([0, 0, 0], [100, 0, 5], 1),
+    ],
+)
+def test_momentkv_rounds_for_closed_form(to_evict, before, rounds):
+    from vllm_kvevict.policies import MomentKVPolicy
+
+    got = MomentKVPolicy(rounds=8).rounds_for(torch.tensor(to_evict), torch.tensor(before, dtype=torch.float32))
+    assert got == rounds
 
 
 @pytest.mark.parametrize("covariance", ["full", "diagonal", "none"])

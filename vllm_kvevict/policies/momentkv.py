@@ -81,23 +81,32 @@ class MomentKVPolicy(EvictionPolicy):
         evicting the lowest-scoring ``1/rounds`` of what each head must drop,
         folding them into a copy of the statistics, and rescoring the rest.
 
+        A round's batch changes the statistics by about its share of the
+        evicted count, so an eviction that adds little to a head's
+        statistics needs fewer rounds for the same granularity: it runs
+        :meth:`rounds_for` rounds, ``rounds`` at the prompt's end (nothing
+        evicted before) and one at a decode-time eviction that adds 32
+        tokens to thousands. No round adds more than about ``1/rounds`` of a
+        head's evicted count after the eviction, as at the prompt's end.
+
         Returns scores whose top ``counts[h]`` are the tokens kept: survivors
-        keep their last score (``≥ 0``), a token evicted in round ``r`` gets
-        ``r - rounds`` (earlier rounds lower).
+        keep their last score (``≥ 0``), a token evicted in round ``r`` of
+        ``R`` gets ``r - R`` (earlier rounds lower).
         """
-        if self.rounds == 1:
-            return scores
         assert inputs.evicted is not None
-        attention = self._window_attention(inputs)
-        candidate = torch.isfinite(scores)  # not protected (+inf), not padding (-inf)
         live = (scores > float("-inf")).sum(-1)
         to_evict = (live - counts).clamp(min=0)  # [H]
         moments = inputs.evicted
+        rounds = self.rounds_for(to_evict, moments.count)
+        if rounds == 1:
+            return scores
+        attention = self._window_attention(inputs)
+        candidate = torch.isfinite(scores)  # not protected (+inf), not padding (-inf)
         refined = scores.clone()
         remaining = candidate.clone()  # candidates not evicted yet
         done = torch.zeros_like(to_evict)
-        for r in range(self.rounds):
-            target = (to_evict * (r + 1) + self.rounds - 1) // self.rounds  # ceil, = to_evict at the end
+        for r in range(rounds):
+            target = (to_evict * (r + 1) + rounds - 1) // rounds  # ceil, = to_evict at the end
             batch_size = target - done
             largest = int(batch_size.max())
             if largest <= 0:
@@ -112,15 +121,26 @@ class MomentKVPolicy(EvictionPolicy):
             in_batch = torch.arange(largest, device=scores.device) < batch_size[:, None]
             in_batch &= remaining.gather(-1, lowest)
             batch = torch.zeros_like(remaining).scatter_(-1, lowest, in_batch)
-            refined = torch.where(batch, float(r - self.rounds), refined)
+            refined = torch.where(batch, float(r - rounds), refined)
             remaining &= ~batch
             done = target
-            if r + 1 < self.rounds:  # the last round's statistics are not read
+            if r + 1 < rounds:  # the last round's statistics are not read
                 index = lowest.unsqueeze(-1).expand(-1, -1, inputs.keys.shape[-1])
                 moments = moments.folded(
                     inputs.keys.gather(1, index), inputs.values.gather(1, index), in_batch
                 )
         return refined
+
+
+    def rounds_for(self, to_evict: torch.Tensor, evicted_before: torch.Tensor) -> int:
+        """Rounds for an eviction that drops ``to_evict[h]`` tokens of heads
+        that have folded ``evicted_before[h]``: ``ceil(rounds * share)`` for
+        the largest share ``to_evict / (evicted_before + to_evict)`` of a
+        head's statistics the eviction adds, at least 1."""
+        to_evict = to_evict.long()
+        after = (evicted_before.round().long() + to_evict).clamp(min=1)
+        needed = (self.rounds * to_evict + after - 1) // after  # ceil, in integers
+        return max(1, int(needed.max())) if needed.numel() else 1
 
 
 def moment_residuals(
