@@ -143,7 +143,7 @@ def test_defaults_and_no_flags():
         "attention_kernel": "auto",
         "head_budget": "uniform",
         "head_budget_floor": 0.2,
-        "pyramid_beta": 2.0,
+        "pyramid_beta": 1.5,
         "moment_correction": False,
         "moment_covariance": "full",
         "storage": None,

@@ -119,9 +119,10 @@ class EvictionConfig(BaseModel):
         0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
     )
     pyramid_beta: float = Field(
-        2.0, ge=1.0, le=1000.0, description="pyramid head_budget: the last layer keeps 1/beta of "
+        1.5, ge=1.0, le=1000.0, description="pyramid head_budget: the last layer keeps 1/beta of "
         "the mean budget (beyond sinks and recent window), the first 2 - 1/beta times it "
-        "(PyramidKV's beta; 2 measured best on the default model, the paper's 20 below it)",
+        "(PyramidKV's beta; on the default model no beta scored above uniform SnapKV, the "
+        "flatter the closer: 1.5 within its interval, the paper's 20 below it)",
     )
     moment_correction: bool = Field(
         None,  # type: ignore[assignment]  # resolved per policy: on for momentkv

@@ -181,7 +181,7 @@ class PyramidAllocation(HeadAllocation):
     pages in all."""
 
     name = "pyramid"
-    beta: float = 2.0
+    beta: float  # EvictionConfig.pyramid_beta
 
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         streams = scores.shape[0]
