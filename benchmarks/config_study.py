@@ -36,10 +36,19 @@ PAIRS = [
     ("criticalkv_pooled", "adakv_snapkv", "CriticalKV on SnapKV, stage 2 pooled over 15, against its base"),
     ("criticalkv_pooled_075", "adakv_snapkv", "CriticalKV on SnapKV, pooled stage 2 and ratio 0.75, against its base"),
     ("expected_attention", "expected_attention_uniform", "Expected Attention: AdaKV heads against uniform"),
-    ("pyramidkv", "snapkv", "PyramidKV (configs/pyramidkv.yaml: β 2) against uniform SnapKV"),
-    ("pyramidkv_beta20", "snapkv", "PyramidKV, β 20 (the paper's), against uniform SnapKV"),
+    ("pyramidkv", "snapkv", "PyramidKV (configs/pyramidkv.yaml: β 1.5) against uniform SnapKV"),
+    ("pyramidkv_beta2", "snapkv", "PyramidKV, β 2, against uniform SnapKV"),
     ("pyramidkv_beta5", "snapkv", "PyramidKV, β 5, against uniform SnapKV"),
-    ("pyramidkv", "pyramidkv_beta20", "β 2 against 20"),
+    ("pyramidkv_beta20", "snapkv", "PyramidKV, β 20 (the paper's), against uniform SnapKV"),
+    ("pyramidkv", "pyramidkv_beta2", "β 1.5 against 2"),
+    ("pyramidkv_beta2", "pyramidkv_beta20", "β 2 against 20"),
+    # Configs that evict after every prompt chunk and build on no other
+    # selection: against SnapKV (the end-of-prompt selection) for scale.
+    ("learned", "snapkv", "learned global eviction (shipped gates, per chunk): no base; SnapKV for scale"),
+    ("keydiff", "snapkv", "KeyDiff (per chunk): no base; SnapKV for scale"),
+    ("knorm", "snapkv", "Knorm (per chunk): no base; SnapKV for scale"),
+    ("streamingllm", "snapkv", "StreamingLLM (per chunk): no base; SnapKV for scale"),
+    ("random", "snapkv", "random (per chunk): no base; SnapKV for scale"),
 ]
 
 
