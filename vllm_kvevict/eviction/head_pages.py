@@ -141,7 +141,7 @@ def write_kept(
     """Each head's kept tokens into its new pages; its page table and positions."""
     assert rows.pages is not None
     # index_select, not advanced indexing: on CPU a row gather through
-    # ``x[h, index]`` costs ~20x as much.
+    # ``x[h, index]`` took 4x as long (960 rows of 64 floats).
     for h, count in enumerate(counts):
         index = kept[h, :count]
         cache.write_pages(

@@ -131,7 +131,6 @@ class MomentKVPolicy(EvictionPolicy):
                 )
         return refined
 
-
     def rounds_for(self, to_evict: torch.Tensor, evicted_before: torch.Tensor) -> int:
         """Rounds for an eviction that drops ``to_evict[h]`` tokens of heads
         that have folded ``evicted_before[h]``: ``ceil(rounds * share)`` for
