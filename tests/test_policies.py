@@ -318,3 +318,45 @@ def test_grouped_attention_probs_against_a_loop(seed):
     torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
     if seed % 2:
         assert bool((probs[2, :, : window // 2] == 0).all())
+
+
+@pytest.mark.parametrize("name", sorted(n for n, cls in POLICIES.items() if cls.needs_queries))
+@pytest.mark.parametrize("seed", range(3))
+def test_ragged_heads_scored_apart_get_their_padded_scores(name, seed):
+    """Heads holding different numbers of tokens (per-head page tables pad
+    the shorter ones) are scored one by one over their own tokens: every
+    query-based policy gives each live token the score it gives it in the
+    padded layer, so none couples its heads and each head reads its own
+    query group, moments and projection slice."""
+    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.eviction.select import score_heads
+    from vllm_kvevict.policies.base import PADDING_POSITION, RotaryFrequencies
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, group, dim, window, d_model, end = 3, 3, 32, 8, 24, 240
+    lengths = [int(n) for n in torch.randperm(50, generator=gen)[:heads] + window + 4]
+    width = max(lengths)
+    keys = torch.zeros(heads, width, dim)
+    values = torch.zeros(heads, width, dim)
+    positions = torch.full((heads, width), PADDING_POSITION, dtype=torch.long)
+    live = torch.zeros(heads, width, dtype=torch.bool)
+    for h, n in enumerate(lengths):
+        rest = torch.randperm(end - 1, generator=gen)[: n - 1] + 1
+        positions[h, :n] = torch.cat([torch.zeros(1, dtype=torch.long), rest]).sort().values
+        keys[h, :n] = torch.randn(n, dim, generator=gen) * 2
+        values[h, :n] = torch.randn(n, dim, generator=gen)
+        live[h, :n] = True
+    moments = EvictedMoments.zeros(None, heads, dim)
+    moments.fold_(torch.randn(heads, 20, dim, generator=gen), torch.randn(heads, 20, dim, generator=gen))
+    inputs = ScoringInputs(
+        keys, values, positions, torch.randn(heads * group, window, dim, generator=gen) * 2,
+        torch.arange(end - window, end), 1.0 / math.sqrt(dim), moments,
+        rotary=RotaryFrequencies(1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)),
+        output_projection=torch.randn(heads * group, dim, d_model, generator=gen),
+    )
+    policy = make_policy(name)
+    padded = policy.score(inputs).float()
+    apart = score_heads(policy, inputs, live)
+    for h, n in enumerate(lengths):
+        torch.testing.assert_close(apart[h, :n], padded[h, :n], rtol=1e-4, atol=1e-6)
+        assert not apart[h, n:].any()

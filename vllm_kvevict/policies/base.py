@@ -73,6 +73,32 @@ class ScoringInputs:
     def num_kv_heads(self) -> int:
         return self.keys.shape[0]
 
+    def head(self, h: int, length: int) -> ScoringInputs:
+        """KV head ``h``'s first ``length`` tokens as the inputs of a
+        one-head layer: its query heads, output projection slice and
+        evicted-token statistics (views, and a memo of its own)."""
+        tokens = slice(0, length)
+
+        def query_group(per_query_head: torch.Tensor | None) -> torch.Tensor | None:
+            if per_query_head is None:
+                return None
+            group = per_query_head.shape[0] // self.num_kv_heads
+            return per_query_head[h * group : (h + 1) * group]
+
+        return ScoringInputs(
+            self.keys[h : h + 1, tokens],
+            self.values[h : h + 1, tokens],
+            self.key_positions[h : h + 1, tokens],
+            query_group(self.queries),
+            self.query_positions,
+            self.scale,
+            self.evicted[h : h + 1] if self.evicted is not None else None,
+            rotary=self.rotary,
+            output_projection=query_group(self.output_projection),
+            log_beta=self.log_beta[h : h + 1, tokens] if self.log_beta is not None else None,
+            step=self.step,
+        )
+
 
 def finite_scores(scores: torch.Tensor) -> torch.Tensor:
     """NaN and ``-inf`` to the smallest finite score (``+inf`` stays): a
