@@ -130,6 +130,21 @@ def kept_mask(kept: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def evicted_tokens(tokens: LiveTokens, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The live tokens not in ``kept``, each head's first: ``(keys, values
+    [H, m, D], mask [H, m])``, ``m`` the most any head drops. Folding these
+    into the moments reads ``m`` tokens per head where a mask over every
+    live token read all of them (at a decode-time eviction, 32 of ~1,000)."""
+    evicted = tokens.live & ~kept_mask(kept, tokens.live)
+    counts = evicted.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    # A stable sort puts each head's evicted tokens first, in slot order.
+    index = torch.sort(evicted.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :width]
+    rows = index.unsqueeze(-1).expand(-1, -1, tokens.keys.shape[-1])
+    mask = torch.arange(width, device=index.device)[None, :] < counts[:, None]
+    return tokens.keys.gather(1, rows), tokens.values.gather(1, rows), mask
+
+
 def write_kept(
     cache: CacheOps,
     tokens: LiveTokens,
@@ -190,7 +205,7 @@ def compact_head_pages(
             rows.positions[h, :count] = tokens.positions[h, kept[h, :count]]
     else:
         if rows.moments is not None:
-            rows.moments.fold_(tokens.keys, tokens.values, tokens.live & ~kept_mask(kept, tokens.live))
+            rows.moments.fold_(*evicted_tokens(tokens, kept))
         write_kept(cache, tokens, kept, counts_list, new_pages, rows)
     rows.lens.copy_(counts.to(rows.lens.dtype))
     used = sum(p.numel() for p in new_pages)
