@@ -22,7 +22,13 @@ from vllm_kvevict.policies import (
 from vllm_kvevict.policies.allocation import AdaKVAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.policies.criticalkv import projected_value_norms
-from vllm_kvevict.policies.rope import averaged_rotation, rotate, unrotate
+from vllm_kvevict.policies.rope import (
+    apply_averaged_rotation,
+    averaged_rotation,
+    averaged_rotation_pairs,
+    rotate,
+    unrotate,
+)
 
 
 def _rope(dim, base=100000.0, neox=True, scaling=1.0):
@@ -85,6 +91,10 @@ def test_averaged_rotation_equals_mean_of_rotations(neox, last, future):
     rope = _rope(dim, base=10000.0, neox=neox, scaling=1.1)
     brute = sum(_rotation_matrix(rope, dim, last + j) for j in range(1, future + 1)) / future
     assert torch.allclose(averaged_rotation(rope, last, future), brute, atol=1e-10)
+    # and applied pair by pair, to a batch of vectors
+    x = torch.randn(3, 5, dim, generator=torch.Generator().manual_seed(last), dtype=torch.float64)
+    pairs = averaged_rotation_pairs(rope, last, future)
+    assert torch.allclose(apply_averaged_rotation(x, pairs, rope), x @ brute.T, atol=1e-10)
 
 
 # ------------------------------------------------------- Expected Attention

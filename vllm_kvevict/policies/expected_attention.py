@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
-from vllm_kvevict.policies.rope import averaged_rotation, unrotate
+from vllm_kvevict.policies.rope import apply_averaged_rotation, averaged_rotation_pairs, unrotate
 
 
 @dataclass
@@ -62,9 +62,12 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         )  # [Hq, m, D]
         num_queries = queries.shape[1]
         mean = queries.mean(dim=1) if num_queries else queries.new_zeros(num_q_heads, head_dim)
-        last = int(inputs.query_positions.max())
-        rotation = averaged_rotation(inputs.rotary, last, self.num_future)
-        mean_bar = mean @ rotation.T  # [Hq, D]
+        pairs = averaged_rotation_pairs(inputs.rotary, int(inputs.query_positions.max()), self.num_future)
+
+        def averaged(x: torch.Tensor) -> torch.Tensor:  # R̄ x along the last dim
+            return apply_averaged_rotation(x, pairs, inputs.rotary)
+
+        mean_bar = averaged(mean)  # [Hq, D]
         # The statistics in float64; the per-token products in fp32 (the
         # cache's precision at most), one batched matmul per term: query
         # head h * G + g reads KV head h.
@@ -74,7 +77,8 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         if self.use_covariance and num_queries:
             centred = queries - mean[:, None]
             cov = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-            cov_bar = (rotation @ cov @ rotation.T).float().view(num_kv_heads, group, head_dim, head_dim)
+            # R̄ Σ R̄ᵀ: R̄ on each column of Σ, then on each row (Σ symmetric)
+            cov_bar = averaged(averaged(cov).transpose(-1, -2)).float().view(num_kv_heads, group, head_dim, head_dim)
             # k Σ̄_g for every g at once: [H, S, D] @ [H, D, G * D]
             spread = torch.bmm(keys, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1))
             quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)

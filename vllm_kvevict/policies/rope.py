@@ -22,9 +22,8 @@ def rotary_pairs(head_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies) -> torch.Tensor:
     """``R_p x`` for ``x [..., T, D]`` at ``positions [T]`` (float64)."""
-    return _turn(x.double(), positions.double()[:, None] * rope.inv_freq.double(), rope) * (
-        rope.attention_scaling
-    )
+    angles = positions.double()[:, None] * rope.inv_freq.double()
+    return _turn(x.double(), angles.cos(), angles.sin(), rope.neox) * rope.attention_scaling
 
 
 def unrotate(x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies) -> torch.Tensor:
@@ -33,19 +32,43 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies) 
     RoPE is a rotation (times the model's attention scaling), so undoing it
     is exact: no need to tap the model before its rotary call.
     """
-    return _turn(x.double(), -positions.double()[:, None] * rope.inv_freq.double(), rope) / (
-        rope.attention_scaling
-    )
+    angles = -positions.double()[:, None] * rope.inv_freq.double()
+    return _turn(x.double(), angles.cos(), angles.sin(), rope.neox) / rope.attention_scaling
 
 
-def _turn(x: torch.Tensor, angles: torch.Tensor, rope: RotaryFrequencies) -> torch.Tensor:
-    first, second = rotary_pairs(x.shape[-1], rope.neox)
-    cos, sin = angles.cos(), angles.sin()  # [T, D/2]
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """Each pair ``(a, b)`` of ``x``'s last dim to ``(a cos - b sin, b cos + a sin)``,
+    ``cos, sin [..., D/2]`` broadcast over ``x``'s leading dims."""
+    head_dim = x.shape[-1]
+    if neox:
+        first, second = slice(0, head_dim // 2), slice(head_dim // 2, head_dim)
+    else:
+        first, second = slice(0, head_dim, 2), slice(1, head_dim, 2)
     a, b = x[..., first], x[..., second]
     out = torch.empty_like(x)
     out[..., first] = a * cos - b * sin
     out[..., second] = b * cos + a * sin
     return out
+
+
+def averaged_rotation_pairs(
+    rope: RotaryFrequencies, last_position: int, num_future: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R̄``'s pairs: ``(ρ cos cθ, ρ sin cθ)`` times the attention scaling, ``[D/2]``
+    each, where ``c = t + (T+1)/2`` is the window's centre and
+    ``ρ = sin(Tθ/2) / (T sin(θ/2))`` the Dirichlet-kernel shrinkage."""
+    theta = rope.inv_freq.double()
+    half_turn = torch.sin(theta / 2)
+    shrink = torch.where(
+        half_turn.abs() < 1e-12,
+        torch.ones_like(theta),
+        torch.sin(num_future * theta / 2) / (num_future * half_turn),
+    )
+    centre = last_position + (num_future + 1) / 2
+    return (
+        shrink * torch.cos(centre * theta) * rope.attention_scaling,
+        shrink * torch.sin(centre * theta) * rope.attention_scaling,
+    )
 
 
 def averaged_rotation(
@@ -59,17 +82,8 @@ def averaged_rotation(
     turn fast over the window average out (ρ ≈ 0), slow ones keep ρ ≈ 1.
     R̄ is not a rotation; it must not be renormalised.
     """
-    theta = rope.inv_freq.double()
-    half_turn = torch.sin(theta / 2)
-    shrink = torch.where(
-        half_turn.abs() < 1e-12,
-        torch.ones_like(theta),
-        torch.sin(num_future * theta / 2) / (num_future * half_turn),
-    )
-    centre = last_position + (num_future + 1) / 2
-    cos = shrink * torch.cos(centre * theta) * rope.attention_scaling
-    sin = shrink * torch.sin(centre * theta) * rope.attention_scaling
-    head_dim = 2 * theta.numel()
+    cos, sin = averaged_rotation_pairs(rope, last_position, num_future)
+    head_dim = 2 * cos.numel()
     first, second = rotary_pairs(head_dim, rope.neox)
     matrix = torch.zeros(head_dim, head_dim, dtype=torch.float64)
     matrix[first, first] = cos
@@ -77,3 +91,12 @@ def averaged_rotation(
     matrix[second, first] = sin
     matrix[second, second] = cos
     return matrix
+
+
+def apply_averaged_rotation(
+    x: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor], rope: RotaryFrequencies
+) -> torch.Tensor:
+    """``R̄ x`` along ``x``'s last dim (float64), ``pairs`` from
+    :func:`averaged_rotation_pairs`: :func:`averaged_rotation`'s matrix applied
+    pair by pair, in ``O(D)`` per vector rather than ``O(D²)``."""
+    return _turn(x.double(), *pairs, rope.neox)
