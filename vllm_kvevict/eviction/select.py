@@ -117,7 +117,7 @@ def score_heads(policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tenso
     padding: the window attention of a head padded to the longest head costs
     what the longest costs, and every padded column goes through its causal
     mask (on a layer whose heads hold 2,464, 224 and 192 tokens, SnapKV's
-    score took 6.3 ms padded and 0.7 ms head by head). Policies that score
+    score took 3.3-6.3 ms padded and 0.7 ms head by head). Policies that score
     token by token read padding at the cost of the padding alone.
     """
     if policy.needs_queries and live is not None:

@@ -12,14 +12,6 @@ import torch
 from vllm_kvevict.policies.base import RotaryFrequencies
 
 
-def rotary_pairs(head_dim: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the two coordinates of each frequency pair, ``[D/2]`` each."""
-    half = torch.arange(head_dim // 2)
-    if neox:
-        return half, half + head_dim // 2
-    return 2 * half, 2 * half + 1
-
-
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies) -> torch.Tensor:
     """``R_p x`` for ``x [..., T, D]`` at ``positions [T]`` (float64)."""
     angles = positions.double()[:, None] * rope.inv_freq.double()
@@ -82,15 +74,9 @@ def averaged_rotation(
     turn fast over the window average out (ρ ≈ 0), slow ones keep ρ ≈ 1.
     R̄ is not a rotation; it must not be renormalised.
     """
-    cos, sin = averaged_rotation_pairs(rope, last_position, num_future)
-    head_dim = 2 * cos.numel()
-    first, second = rotary_pairs(head_dim, rope.neox)
-    matrix = torch.zeros(head_dim, head_dim, dtype=torch.float64)
-    matrix[first, first] = cos
-    matrix[first, second] = -sin
-    matrix[second, first] = sin
-    matrix[second, second] = cos
-    return matrix
+    pairs = averaged_rotation_pairs(rope, last_position, num_future)
+    identity = torch.eye(2 * pairs[0].numel(), dtype=torch.float64)
+    return apply_averaged_rotation(identity, pairs, rope).T  # row j: R̄ e_j
 
 
 def apply_averaged_rotation(
