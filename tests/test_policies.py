@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.eviction.select import score_heads
 from vllm_kvevict.policies import (
     POLICIES,
     EvictionPolicy,
@@ -15,6 +17,7 @@ from vllm_kvevict.policies import (
     make_policy,
     policy_options,
 )
+from vllm_kvevict.policies.base import PADDING_POSITION, RotaryFrequencies
 
 
 def _random_inputs(gen, num_kv_heads, group, window, num_live, head_dim, max_pos=None):
@@ -328,10 +331,6 @@ def test_ragged_heads_scored_apart_get_their_padded_scores(name, seed):
     query-based policy gives each live token the score it gives it in the
     padded layer, so none couples its heads and each head reads its own
     query group, moments and projection slice."""
-    from vllm_kvevict.eviction.moments import EvictedMoments
-    from vllm_kvevict.eviction.select import score_heads
-    from vllm_kvevict.policies.base import PADDING_POSITION, RotaryFrequencies
-
     gen = torch.Generator().manual_seed(seed)
     heads, group, dim, window, d_model, end = 3, 3, 32, 8, 24, 240
     lengths = [int(n) for n in torch.randperm(50, generator=gen)[:heads] + window + 4]
