@@ -24,6 +24,7 @@ from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.policies.criticalkv import projected_value_norms
 from vllm_kvevict.policies.rope import (
     apply_averaged_rotation,
+    averaged_from,
     averaged_rotation,
     averaged_rotation_pairs,
     rotate,
@@ -95,6 +96,10 @@ def test_averaged_rotation_equals_mean_of_rotations(neox, last, future):
     x = torch.randn(3, 5, dim, generator=torch.Generator().manual_seed(last), dtype=torch.float64)
     pairs = averaged_rotation_pairs(rope, last, future)
     assert torch.allclose(apply_averaged_rotation(x, pairs, rope), x @ brute.T, atol=1e-10)
+    # and to cached post-RoPE vectors, unrotated in the same turn
+    positions = torch.randint(0, last + 1, (5,), generator=torch.Generator().manual_seed(future))
+    want = unrotate(x, positions, rope) @ brute.T
+    assert torch.allclose(averaged_from(x, positions, rope, last, future), want, atol=1e-10)
 
 
 # ------------------------------------------------------- Expected Attention

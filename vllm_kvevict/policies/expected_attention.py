@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
-from vllm_kvevict.policies.rope import apply_averaged_rotation, averaged_rotation_pairs, unrotate
+from vllm_kvevict.policies.rope import averaged_from
 
 
 @dataclass
@@ -56,29 +56,27 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         num_kv_heads, _, head_dim = inputs.keys.shape
         num_q_heads = inputs.queries.shape[0]
         group = num_q_heads // num_kv_heads
-        stats = inputs.query_positions >= self.num_sink
-        queries = unrotate(
-            inputs.queries[:, stats], inputs.query_positions[stats], inputs.rotary
+        queries, query_positions = inputs.queries, inputs.query_positions
+        stats = query_positions >= self.num_sink
+        if not bool(stats.all()):
+            queries, query_positions = queries[:, stats], query_positions[stats]
+        # The statistics of R̄q, which are R̄μ and R̄ΣR̄ᵀ (R̄ is linear): each
+        # cached query unrotated and averaged over the future in one turn.
+        future = averaged_from(
+            queries, query_positions, inputs.rotary, int(inputs.query_positions.max()), self.num_future
         )  # [Hq, m, D]
-        num_queries = queries.shape[1]
-        mean = queries.mean(dim=1) if num_queries else queries.new_zeros(num_q_heads, head_dim)
-        pairs = averaged_rotation_pairs(inputs.rotary, int(inputs.query_positions.max()), self.num_future)
-
-        def averaged(x: torch.Tensor) -> torch.Tensor:  # R̄ x along the last dim
-            return apply_averaged_rotation(x, pairs, inputs.rotary)
-
-        mean_bar = averaged(mean)  # [Hq, D]
-        # The statistics in float64; the per-token products in fp32 (the
-        # cache's precision at most), one batched matmul per term: query
-        # head h * G + g reads KV head h.
+        num_queries = future.shape[1]
+        mean_bar = future.mean(dim=1) if num_queries else future.new_zeros(num_q_heads, head_dim)
+        # In fp32 (the cache's precision at most): the statistics, and the
+        # per-token products in one batched matmul per term: query head
+        # h * G + g reads KV head h.
         keys = inputs.keys.float()  # [H, S, D]
         num_keys = keys.shape[1]
         logits = torch.bmm(mean_bar.float().view(num_kv_heads, group, head_dim), keys.transpose(1, 2))
         if self.use_covariance and num_queries:
-            centred = queries - mean[:, None]
-            cov = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-            # R̄ Σ R̄ᵀ: R̄ on each column of Σ, then on each row (Σ symmetric)
-            cov_bar = averaged(averaged(cov).transpose(-1, -2)).float().view(num_kv_heads, group, head_dim, head_dim)
+            centred = future - mean_bar[:, None]
+            cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
+            cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
             # k Σ̄_g for every g at once: [H, S, D] @ [H, D, G * D]
             spread = torch.bmm(keys, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1))
             quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
