@@ -1,8 +1,10 @@
 """Rotary position embedding algebra for policies that model future queries.
 
-Pure torch on a :class:`RotaryFrequencies`: rotate, undo a rotation, and the
+Pure torch on a :class:`RotaryFrequencies`: rotate, undo a rotation, the
 closed form of the rotation averaged over a window of future positions
-(Expected Attention's R̄, Eq. 6).
+(Expected Attention's R̄, Eq. 6), and a cached vector's rotation undone and
+averaged in one turn (what Expected Attention scores with; the others are
+the steps it is tested against).
 """
 
 from __future__ import annotations
