@@ -12,9 +12,10 @@ with random observation queries and the model's RoPE frequencies and output
 projection shapes. Each (layer, KV head)'s keys are scaled by its own factor
 (``--head-spread``), so that an adaptive allocation gives heads different
 numbers of tokens, as the server's heads hold. Only the eviction calls are
-timed; attention and the rest of the model are not run. An *eviction step* is one eviction point of one
-request over every layer, which is what one sample of the server's
-``kvevict_eviction_seconds`` measures when one request evicts in a step.
+timed; attention and the rest of the model are not run. An *eviction step*
+is one eviction point of one request over every layer, which is what one
+sample of the server's ``kvevict_eviction_seconds`` measures when one
+request evicts in a step.
 
     PYTHONSAFEPATH=1 python benchmarks/eviction_profile.py
     PYTHONSAFEPATH=1 python benchmarks/eviction_profile.py --configs snapkv,momentkv --json out.json

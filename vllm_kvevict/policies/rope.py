@@ -51,9 +51,7 @@ def averaged_rotation_pairs(
     """``R̄``'s pairs: ``(ρ cos cθ, ρ sin cθ)`` times the attention scaling, ``[D/2]``
     each, where ``c = t + (T+1)/2`` is the window's centre and
     ``ρ = sin(Tθ/2) / (T sin(θ/2))`` the Dirichlet-kernel shrinkage."""
-    theta = rope.inv_freq.double()
-    shrink = _shrinkage(theta, num_future)
-    centre = last_position + (num_future + 1) / 2
+    theta, shrink, centre = _future_window(rope, last_position, num_future)
     return (
         shrink * torch.cos(centre * theta) * rope.attention_scaling,
         shrink * torch.sin(centre * theta) * rope.attention_scaling,
@@ -69,25 +67,29 @@ def averaged_from(
     attention scaling and ``R_p⁻¹ = e^{-ipθ}`` over it, so the product is
     ``ρ e^{i(c-p)θ}``. Equals ``R̄`` applied (:func:`apply_averaged_rotation`)
     to :func:`unrotate`'s output, at one turn's cost instead of two. The
-    angles in float64 (positions reach 10⁵ radians); the turn in ``x``'s
-    floating dtype (fp32 at least), which holds ``x`` exactly."""
-    theta = rope.inv_freq.double()
-    shrink = _shrinkage(theta, num_future)
-    centre = last_position + (num_future + 1) / 2
+    turn's factors are computed in float64, the turn itself in ``x``'s
+    floating dtype (fp32 at least)."""
+    theta, shrink, centre = _future_window(rope, last_position, num_future)
     angles = (centre - positions.double())[:, None] * theta
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = (shrink * angles.cos()).to(dtype), (shrink * angles.sin()).to(dtype)
     return _turn(x.to(dtype), cos, sin, rope.neox)
 
 
-def _shrinkage(theta: torch.Tensor, num_future: int) -> torch.Tensor:
-    """``ρ = sin(Tθ/2) / (T sin(θ/2))`` (1 where ``θ`` is 0)."""
+def _future_window(
+    rope: RotaryFrequencies, last_position: int, num_future: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``θ`` (float64), the shrinkage ``ρ = sin(Tθ/2) / (T sin(θ/2))`` (1
+    where ``θ`` is 0) and the centre ``c = t + (T+1)/2`` of the window of
+    positions ``t+1 .. t+T``."""
+    theta = rope.inv_freq.double()
     half_turn = torch.sin(theta / 2)
-    return torch.where(
+    shrink = torch.where(
         half_turn.abs() < 1e-12,
         torch.ones_like(theta),
         torch.sin(num_future * theta / 2) / (num_future * half_turn),
     )
+    return theta, shrink, last_position + (num_future + 1) / 2
 
 
 def averaged_rotation(
