@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import build_config, parse_config_source
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.global_pages import compact_global
@@ -54,7 +55,7 @@ from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.policies.base import RotaryFrequencies
 from vllm_kvevict.schedule import cdiv
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
+from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
 from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,8 +122,10 @@ class PrefillRun:
         per_layer = blocks + 1
         self.pool = torch.zeros(shape.layers * per_layer, shape.kv_heads, 2 * bs, shape.head_dim, dtype=dtype)
         self.offsets = [layer * per_layer for layer in range(shape.layers)]
+        # As the server's CPU kernel serves them: the compactions' copies
+        # through the C++ extension when it is built.
         self.caches = [
-            HeadPagedCache(self.pool[o : o + per_layer], self.layout) for o in self.offsets
+            head_paged_cache(self.pool[o : o + per_layer], self.layout, native=True) for o in self.offsets
         ]
         self.pool_cache = HeadPagedCache(self.pool, self.layout)
         self.log_beta_pages = torch.zeros(self.pool.shape[0] * shape.kv_heads, bs)
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {args.prompt} tokens, budget {round(args.kept * args.prompt)} ({args.kept:.0%} kept), "
         f"chunk {args.chunk}, block {args.block_size}, {args.dtype}, {shape.layers} layers x "
         f"{shape.kv_heads} KV heads x {shape.q_heads} query heads x {shape.head_dim}, "
-        f"torch {torch.__version__}, {args.threads} thread(s)"
+        f"torch {torch.__version__}, {args.threads} thread(s), head_pages copies: "
+        f"{'C++' if cpu_ops.load_cpu_ops() is not None else 'torch, per head'}"
     )
     for name in args.configs.split(","):
         runs = [PrefillRun(name, args, shape, seed).run() for seed in range(args.repeats)]

@@ -1060,6 +1060,14 @@ void head_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   }
 }
 
+// compact_head_pages.cpp
+void gather_heads(const at::Tensor& kv_cache, const at::Tensor& head_pages,
+                  const at::Tensor& head_lens, const at::Tensor& block_row, int64_t start,
+                  int64_t end, const at::Tensor& key_offsets, const at::Tensor& value_offsets,
+                  at::Tensor& keys, at::Tensor& values);
+void write_heads(at::Tensor& kv_cache, const at::Tensor& keys, const at::Tensor& values,
+                 const at::Tensor& kept, const at::Tensor& counts, const at::Tensor& page_table);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-kvevict CPU kernels";
   m.def("head_paged_attention", &head_paged_attention,
@@ -1071,4 +1079,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("moment_value_mean"), py::arg("moment_cross_cov"), py::arg("moment_rows"),
         py::arg("out"), py::arg("lse"), py::arg("prefix_lens") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_heads", &gather_heads,
+        "Each KV head's compacted tokens, then its standard slots [start, end), into dense "
+        "[H, S, D] keys and values",
+        py::arg("kv_cache"), py::arg("head_pages"), py::arg("head_lens"), py::arg("block_row"),
+        py::arg("start"), py::arg("end"), py::arg("key_offsets"), py::arg("value_offsets"),
+        py::arg("keys"), py::arg("values"), py::call_guard<py::gil_scoped_release>());
+  m.def("write_heads", &write_heads,
+        "Each KV head's kept rows of dense keys and values into its new head-pages, in order",
+        py::arg("kv_cache"), py::arg("keys"), py::arg("values"), py::arg("kept"),
+        py::arg("counts"), py::arg("page_table"), py::call_guard<py::gil_scoped_release>());
 }

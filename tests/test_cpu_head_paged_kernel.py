@@ -455,12 +455,12 @@ def test_invalid_inputs_raise(native):
 
 
 def test_sources_ship_as_package_data():
-    """The loader finds the C++ source through the installed package (CI
+    """The loader finds the C++ sources through the installed package (CI
     installs non-editable)."""
     from importlib import resources
 
-    source = resources.files("vllm_kvevict.csrc").joinpath("head_paged_attention.cpp")
-    assert source.is_file()
+    for name in ("head_paged_attention.cpp", "compact_head_pages.cpp"):
+        assert resources.files("vllm_kvevict.csrc").joinpath(name).is_file()
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog, tmp_path):

@@ -253,12 +253,14 @@ def test_a_changed_source_is_rebuilt(first_build, fresh, tmp_path):
     cache = first_build["cache"]
     original = final_dir(fresh, cache)
     edited = tmp_path / "head_paged_attention.cpp"
-    edited.write_text(cpu_ops._source_path().read_text() + "\n// edited\n")
+    edited.write_text(cpu_ops._source_path().read_text())
+    other = tmp_path / "compact_head_pages.cpp"
+    other.write_text((cpu_ops._source_path().parent / other.name).read_text() + "\n// edited\n")
     calls: list[Path] = []
 
     def compiler(**kwargs):
         calls.append(Path(kwargs["build_directory"]))
-        assert kwargs["sources"] == [str(edited)]
+        assert kwargs["sources"] == [str(edited), str(other)]
         raise RuntimeError("compile stopped by the test")
 
     fresh.setattr(cpu_ops, "_source_path", lambda: edited)

@@ -20,6 +20,10 @@ are those of
 :func:`~vllm_kvevict.triton_kernels.head_paged_attention.head_paged_attention_reference`
 on the logical cache.
 
+The same extension copies a ``head_pages`` compaction's tokens, every KV
+head in one call (``csrc/compact_head_pages.cpp``: :func:`gather_heads`,
+:func:`write_heads`).
+
 Also here, the other torch code of the CPU serving path:
 :func:`attend_head_tokens` (the attention both torch implementations share)
 and :func:`region_attention` (``attention_kernel="torch"`` with ``slots``
@@ -55,7 +59,8 @@ from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "kvevict_cpu_ops"
-_SOURCE = "head_paged_attention.cpp"
+_SOURCE = "head_paged_attention.cpp"  # the attention kernel and the module's bindings
+_OTHER_SOURCES = ("compact_head_pages.cpp",)  # beside it
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 _LDFLAGS = ("-fopenmp",)
 # The longest wait for another process's build of the same kernel, and the age
@@ -107,10 +112,17 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+def _sources(source: Path) -> list[Path]:
+    """The extension's sources: ``source`` (the bindings) and the others beside it."""
+    return [source, *(source.parent / name for name in _OTHER_SOURCES)]
+
+
 def _source_key(source: Path) -> str:
     """A short hash of everything a build depends on besides the CPU: the
-    kernel source, the compiler flags, torch's and Python's versions."""
-    digest = hashlib.sha1(source.read_bytes())
+    kernel sources, the compiler flags, torch's and Python's versions."""
+    digest = hashlib.sha1()
+    for path in _sources(source):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.implementation.cache_tag):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:12]
@@ -272,7 +284,7 @@ def _compile(source: Path, directory: Path) -> ModuleType:
 
     return cpp_extension.load(
         name=_EXTENSION_NAME,
-        sources=[str(source)],
+        sources=[str(path) for path in _sources(source)],
         extra_cflags=list(_CFLAGS),  # torch's loader appends to these lists
         extra_ldflags=list(_LDFLAGS),
         build_directory=str(directory),
@@ -374,8 +386,9 @@ def load_cpu_ops() -> ModuleType | None:
         _loaded = True
         try:
             source = _source_path()
-            if not source.is_file():
-                raise FileNotFoundError(f"kernel source {source} is not installed")
+            for path in _sources(source):
+                if not path.is_file():
+                    raise FileNotFoundError(f"kernel source {path} is not installed")
             _module, _status_reason = _load_or_build(source)
         except Exception as exc:  # no compiler, no ninja, a compile error
             _module = None
@@ -632,14 +645,68 @@ def head_paged_attention(
     return out, lse
 
 
+# --------------------------------------------------------------- compaction copies
+
+
+def gather_heads(
+    module: ModuleType,
+    kv_cache: torch.Tensor,
+    head_pages: torch.Tensor,
+    head_lens: torch.Tensor,
+    block_row: torch.Tensor,
+    start: int,
+    end: int,
+    key_offsets: torch.Tensor,
+    value_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every KV head's live tokens of one request, ``(keys, values)`` ``[H,
+    max(head_lens) + end - start, D]`` in the cache's dtype: head ``h``'s
+    ``head_lens[h]`` compacted tokens (its pages ``head_pages[h]``, logical
+    order), then its standard slots ``[start, end)`` of ``block_row`` (vLLM's
+    page layout, read through ``key_offsets`` / ``value_offsets``), then zeros.
+    One call of the extension ``module`` (:func:`load_cpu_ops`)."""
+    num_heads, head_dim = kv_cache.shape[1], kv_cache.shape[3]
+    lens = head_lens.to(torch.int64)
+    width = (int(lens.max()) if lens.numel() else 0) + end - start
+    keys = kv_cache.new_empty(num_heads, width, head_dim)
+    values = kv_cache.new_empty(num_heads, width, head_dim)
+    module.gather_heads(
+        kv_cache, head_pages.to(torch.int32).contiguous(), lens.contiguous(),
+        block_row.to(torch.int32).contiguous(), int(start), int(end),
+        key_offsets, value_offsets, keys, values,
+    )
+    return keys, values
+
+
+def write_heads(
+    module: ModuleType,
+    kv_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    counts: torch.Tensor,
+    page_table: torch.Tensor,
+) -> None:
+    """Head ``h``'s rows ``kept[h, :counts[h]]`` of ``keys, values [H, S, D]``,
+    in that order, into its head-pages ``page_table[h]`` (logical order; the
+    rest of the last page zeroed), in place in ``kv_cache`` (contiguous: a copy
+    would take the writes). One call of the extension ``module``."""
+    module.write_heads(
+        kv_cache, keys.contiguous(), values.contiguous(), kept.to(torch.int64).contiguous(),
+        counts.to(torch.int64).contiguous(), page_table.to(torch.int32).contiguous(),
+    )
+
+
 __all__ = [
     "BUILD_TIMEOUT_S",
     "KernelStatus",
     "attend_head_tokens",
+    "gather_heads",
     "head_paged_attention",
     "head_paged_attention_torch",
     "kernel_status",
     "load_cpu_ops",
     "region_attention",
     "serving_kernel",
+    "write_heads",
 ]

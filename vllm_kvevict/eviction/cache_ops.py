@@ -75,6 +75,29 @@ class CompactsInPlace(Protocol):
         happens before every write."""
 
 
+@runtime_checkable
+class CopiesHeads(Protocol):
+    """A cache that reads and writes every KV head of a compaction in one call
+    (the C++ extension on CPU) instead of a read and a write per head through
+    :meth:`CacheOps.read_pages`, :meth:`CacheOps.read_slots` and
+    :meth:`CacheOps.write_pages`; the same bytes either way."""
+
+    def read_heads(
+        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head ``h``'s first ``lens[h]`` tokens of its pages ``pages[h]``, then
+        its slots ``[start, end)``, then zeros: ``(keys, values)``, each
+        ``[H, max(lens) + end - start, D]``."""
+
+    def write_heads(
+        self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        """Head ``h``'s rows ``kept[h, :counts[h]]`` of ``keys, values [H, S, D]``,
+        in order, into its pages ``page_table[h]``, as :meth:`CacheOps.write_pages`
+        writes them."""
+
+
 @dataclass
 class Released:
     """Memory one eviction stopped using: head-pages of kept blocks that no

@@ -19,6 +19,8 @@ from vllm_kvevict.eviction.head_pages import (
     assign_pages,
     block_head_pages,
     gather_live,
+    page_table_of,
+    record_kept,
     write_kept,
 )
 from vllm_kvevict.eviction.point import EvictionPoint, StreamRows
@@ -107,15 +109,15 @@ def compact_global(
     for index, (rows, (tokens, log_beta)) in enumerate(zip(layers, gathered)):
         streams = slice(index * num_heads, (index + 1) * num_heads)
         layer_counts = counts_list[streams]
-        write_kept(cache, tokens, kept[streams], layer_counts, new_pages[streams], rows)
+        table = page_table_of(new_pages[streams], rows.pages)
+        write_kept(cache, tokens, kept[streams], layer_counts, table)
+        record_kept(rows, tokens, kept[streams], counts[streams], table)
         for h, count in enumerate(layer_counts):
             if count:
                 stream_pages = new_pages[index * num_heads + h].long()
                 page_rows = log_beta_pages[stream_pages]
                 page_rows.view(-1)[:count] = log_beta[h, kept[index * num_heads + h, :count]]
                 log_beta_pages[stream_pages] = page_rows
-        assert rows.lens is not None
-        rows.lens.copy_(torch.tensor(layer_counts, dtype=rows.lens.dtype))
         per_layer.append(layer_counts)
     used = sum(p.numel() for p in new_pages)
     partial = int(block_row[ev.point // bs]) if ev.point % bs else None

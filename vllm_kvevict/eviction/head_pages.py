@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.eviction.cache_ops import CacheOps, CompactsInPlace, EvictionObserver, Released
+from vllm_kvevict.eviction.cache_ops import (
+    CacheOps, CompactsInPlace, CopiesHeads, EvictionObserver, Released,
+)
 from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
 from vllm_kvevict.policies.base import PADDING_POSITION
@@ -45,7 +47,6 @@ class LiveTokens:
     values: torch.Tensor  # [H, S, D]
     positions: torch.Tensor  # [H, S] int64, PADDING_POSITION for padding
     live: torch.Tensor  # [H, S] bool
-    addresses: torch.Tensor  # [H, S] int64 flat addresses head_page * bs + offset (0 for padding)
 
 
 def gather_live(
@@ -65,43 +66,70 @@ def gather_live(
         positions: ``[H, capacity]`` original positions of compacted tokens.
     """
     bs = cache.block_size
-    num_standard = point - region_start
+    if isinstance(cache, CopiesHeads):
+        keys, values = cache.read_heads(pages, lens, block_row, region_start, point)
+    else:
+        keys, values = _read_heads(cache, pages, lens, block_row, region_start, point)
+    num_heads, width, _ = keys.shape
+    device = keys.device
+    lens = lens.to(device=device, dtype=torch.int64)[:, None]
+    column = torch.arange(width, device=device)[None, :]
+    compacted = column < lens
+    live = column < lens + (point - region_start)
+    standard = live & ~compacted
+    slot = region_start + column - lens  # the standard slot of a standard column
+    known = min(width, positions.shape[1])
+    compacted_positions = torch.full((num_heads, width), PADDING_POSITION, dtype=torch.int64, device=device)
+    compacted_positions[:, :known] = positions[:, :known]
+    key_positions = torch.where(compacted, compacted_positions, torch.where(standard, slot, PADDING_POSITION))
+    return LiveTokens(keys, values, key_positions, live)
+
+
+def live_addresses(
+    tokens: LiveTokens, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor,
+    region_start: int, point: int, block_size: int,
+) -> torch.Tensor:
+    """The flat address (``head_page * bs + offset``) of each of ``tokens``
+    (:func:`gather_live`'s, same arguments), ``[H, S]`` int64, 0 for padding."""
+    num_heads, width = tokens.live.shape
+    device, bs = tokens.live.device, block_size
+    lens = lens.to(device=device, dtype=torch.int64)[:, None]
+    column = torch.arange(width, device=device)[None, :]
+    compacted = column < lens
+    addresses = torch.zeros(num_heads, width, dtype=torch.int64, device=device)
+    if pages.shape[1]:
+        page = pages.to(device).long()[:, (column[0] // bs).clamp(max=pages.shape[1] - 1)]
+        addresses = torch.where(compacted, page * bs + column % bs, addresses)
+    if point > region_start:
+        slot = (region_start + column - lens).clamp(min=region_start, max=point - 1)
+        heads = torch.arange(num_heads, device=device)[:, None]
+        blocks = block_row.to(device).long()[slot // bs]
+        standard = tokens.live & ~compacted
+        addresses = torch.where(standard, (blocks * num_heads + heads) * bs + slot % bs, addresses)
+    return addresses
+
+
+def _read_heads(
+    cache: CacheOps, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor,
+    region_start: int, point: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`CopiesHeads.read_heads` through the per-head reads of any cache."""
     std_keys, std_values = cache.read_slots(block_row, region_start, point)
-    num_heads, _, head_dim = std_keys.shape
-    device = std_keys.device
-    heads = torch.arange(num_heads, device=device)
-    std_positions = torch.arange(region_start, point, device=device)
-    std_blocks = block_row[std_positions // bs].long().to(device)
-    std_addresses = (std_blocks[None, :] * num_heads + heads[:, None]) * bs + (std_positions % bs)[None, :]
-    lens = lens.to(device=device, dtype=torch.int64)
-    longest = int(lens.max()) if lens.numel() else 0
+    lengths = lens.tolist()
+    longest = max(lengths, default=0)
     if longest == 0:  # nothing compacted yet: the standard slots alone
-        return LiveTokens(
-            std_keys, std_values, std_positions.repeat(num_heads, 1),
-            torch.ones(num_heads, num_standard, dtype=torch.bool, device=device), std_addresses,
-        )
+        return std_keys, std_values
     # Heads hold different numbers of compacted tokens: one read per head
     # (with a handful of heads, faster than one padded read and scatters).
-    lengths = lens.tolist()
-    width = longest + num_standard
-    keys = std_keys.new_zeros(num_heads, width, head_dim)
-    values = std_values.new_zeros(num_heads, width, head_dim)
-    key_positions = torch.full((num_heads, width), PADDING_POSITION, dtype=torch.int64, device=device)
-    live = torch.zeros(num_heads, width, dtype=torch.bool, device=device)
-    addresses = torch.zeros(num_heads, width, dtype=torch.int64, device=device)
-    compacted = torch.arange(longest, device=device)
+    num_heads, num_standard, head_dim = std_keys.shape
+    keys = std_keys.new_zeros(num_heads, longest + num_standard, head_dim)
+    values = std_values.new_zeros(num_heads, longest + num_standard, head_dim)
     for h, length in enumerate(lengths):
         if length:
             keys[h, :length], values[h, :length] = cache.read_pages(pages[h], length)
-            key_positions[h, :length] = positions[h, :length]
-            addresses[h, :length] = pages[h, compacted[:length] // bs].long() * bs + compacted[:length] % bs
-        end = length + num_standard
-        keys[h, length:end] = std_keys[h]
-        values[h, length:end] = std_values[h]
-        key_positions[h, length:end] = std_positions
-        addresses[h, length:end] = std_addresses[h]
-        live[h, :end] = True
-    return LiveTokens(keys, values, key_positions, live, addresses)
+        keys[h, length : length + num_standard] = std_keys[h]
+        values[h, length : length + num_standard] = std_values[h]
+    return keys, values
 
 
 def assign_pages(free_pages: torch.Tensor, counts: list[int], block_size: int) -> list[torch.Tensor]:
@@ -145,25 +173,41 @@ def evicted_tokens(tokens: LiveTokens, kept: torch.Tensor) -> tuple[torch.Tensor
     return tokens.keys.gather(1, rows), tokens.values.gather(1, rows), mask
 
 
+def page_table_of(new_pages: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The heads' new pages as a page table shaped ``like`` (``[H, max_pages]``), zero padded."""
+    table = torch.zeros_like(like)
+    for h, head_pages in enumerate(new_pages):
+        table[h, : head_pages.numel()] = head_pages
+    return table
+
+
 def write_kept(
-    cache: CacheOps,
-    tokens: LiveTokens,
-    kept: torch.Tensor,
-    counts: list[int],
-    new_pages: list[torch.Tensor],
-    rows: StreamRows,
+    cache: CacheOps, tokens: LiveTokens, kept: torch.Tensor, counts: list[int], page_table: torch.Tensor
 ) -> None:
-    """Each head's kept tokens into its new pages; its page table and positions."""
-    assert rows.pages is not None
+    """Each head's kept tokens, in order, into its new pages ``page_table[h]``."""
+    if isinstance(cache, CopiesHeads):
+        cache.write_heads(tokens.keys, tokens.values, kept, torch.tensor(counts), page_table)
+        return
     # index_select, not advanced indexing: on CPU a row gather through
     # ``x[h, index]`` took 4x as long (960 rows of 64 floats).
     for h, count in enumerate(counts):
         index = kept[h, :count]
         cache.write_pages(
-            new_pages[h], tokens.keys[h].index_select(0, index), tokens.values[h].index_select(0, index)
+            page_table[h, : cdiv(count, cache.block_size)],
+            tokens.keys[h].index_select(0, index), tokens.values[h].index_select(0, index),
         )
-        rows.pages[h, : new_pages[h].numel()] = new_pages[h]
-        rows.positions[h, :count] = tokens.positions[h].index_select(0, index)
+
+
+def record_kept(
+    rows: StreamRows, tokens: LiveTokens, kept: torch.Tensor, counts: torch.Tensor, page_table: torch.Tensor
+) -> None:
+    """The heads' new page tables, kept tokens' positions and lengths into their side buffers."""
+    assert rows.pages is not None and rows.lens is not None
+    rows.pages.copy_(page_table)
+    width = kept.shape[1]
+    chosen = tokens.positions.gather(1, kept.clamp(min=0)).to(rows.positions.dtype)
+    rows.positions[:, :width] = torch.where(kept >= 0, chosen, rows.positions[:, :width])
+    rows.lens.copy_(counts.to(rows.lens.dtype))
 
 
 def compact_head_pages(
@@ -184,30 +228,22 @@ def compact_head_pages(
     bs = cache.block_size
     # The protected prefix is never a candidate: the standard slots are
     # gathered from its end (the kernels read it in place, from the block table).
-    tokens = gather_live(
-        cache, rows.pages, rows.lens, rows.positions, block_row,
-        max(ev.region_start, ev.protected_prefix), ev.point,
-    )
+    start = max(ev.region_start, ev.protected_prefix)
+    tokens = gather_live(cache, rows.pages, rows.lens, rows.positions, block_row, start, ev.point)
     inputs = scoring_inputs(tokens.keys, tokens.values, tokens.positions, rows.moments)
     free_pages = block_head_pages(block_row[ev.frontier_after // bs : ev.point // bs], cache.num_heads)
     counts, kept = choose_kept(rule, [inputs], [tokens.live], ev.point, free_pages.numel(), bs)
     counts_list = counts.tolist()
     new_pages = assign_pages(free_pages, counts_list, bs)
+    page_table = page_table_of(new_pages, rows.pages)
     if isinstance(cache, CompactsInPlace):
-        page_table = torch.zeros_like(rows.pages)
-        for h, head_pages in enumerate(new_pages):
-            page_table[h, : head_pages.numel()] = head_pages
-        cache.compact(
-            tokens.addresses, tokens.live.sum(-1), kept.clamp(min=0), counts, page_table, rows.moments
-        )
-        rows.pages.copy_(page_table)
-        for h, count in enumerate(counts_list):
-            rows.positions[h, :count] = tokens.positions[h, kept[h, :count]]
+        addresses = live_addresses(tokens, rows.pages, rows.lens, block_row, start, ev.point, bs)
+        cache.compact(addresses, tokens.live.sum(-1), kept.clamp(min=0), counts, page_table, rows.moments)
     else:
         if rows.moments is not None:
             rows.moments.fold_(*evicted_tokens(tokens, kept))
-        write_kept(cache, tokens, kept, counts_list, new_pages, rows)
-    rows.lens.copy_(counts.to(rows.lens.dtype))
+        write_kept(cache, tokens, kept, counts_list, page_table)
+    record_kept(rows, tokens, kept, counts, page_table)
     used = sum(p.numel() for p in new_pages)
     observer.released(cache, Released(
         unused_pages=free_pages[used:],

@@ -46,7 +46,7 @@ from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.point import EvictionPoint
 from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
+from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 from vllm_kvevict.vllm_glue.eviction_step import (
     EvictingBuilder,
@@ -265,10 +265,11 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
     def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
         if plan.kernel == "triton":
             return super()._layer_cache(layer, kv_cache, plan)
-        return HeadPagedCache(
+        return head_paged_cache(
             head_paged_view(kv_cache), plan.backend_data,
             layer.isa,  # type: ignore[attr-defined]
             layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype,
+            native=plan.kernel == "native",
         )
 
     def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:

@@ -12,11 +12,13 @@ that only our kernels read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from vllm import _custom_ops as ops
 
-from vllm_kvevict.eviction.cache_ops import CacheOps
+from vllm_kvevict import cpu_ops
+from vllm_kvevict.eviction.cache_ops import CacheOps, CopiesHeads
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout
 
@@ -126,3 +128,36 @@ class HeadPagedCache(CacheOps):
         flat = self.kv_cache[block].view(self.num_heads, 2 * size)
         flat[:, self.layout.key_index[: num_slots * head_dim]] = float("nan")
         flat[:, size + self.layout.value_index[: num_slots * head_dim]] = float("nan")
+
+
+@dataclass
+class NativeHeadPagedCache(HeadPagedCache, CopiesHeads):
+    """:class:`HeadPagedCache` whose compactions read and write every KV head
+    in one call of the C++ extension (:func:`~vllm_kvevict.cpu_ops.gather_heads`,
+    :func:`~vllm_kvevict.cpu_ops.write_heads`): the same bytes as the per-head
+    reads and writes, without a handful of torch calls per head."""
+
+    module: ModuleType | None = None  # load_cpu_ops()'s extension
+
+    def read_heads(
+        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_ops.gather_heads(
+            self.module, self.kv_cache, pages, lens, block_row, start, end,
+            self.layout.key_index, self.layout.value_index,
+        )
+
+    def write_heads(
+        self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        cpu_ops.write_heads(self.module, self.kv_cache, keys, values, kept, counts, page_table)
+
+
+def head_paged_cache(kv_cache: torch.Tensor, layout: PageLayout, *args: object, native: bool) -> HeadPagedCache:
+    """A :class:`HeadPagedCache` over ``kv_cache``; with ``native`` and the C++
+    extension built, one whose compactions copy every head in one call."""
+    module = cpu_ops.load_cpu_ops() if native else None
+    if module is None:
+        return HeadPagedCache(kv_cache, layout, *args)  # type: ignore[arg-type]
+    return NativeHeadPagedCache(kv_cache, layout, *args, module=module)  # type: ignore[arg-type, misc]
