@@ -327,10 +327,12 @@ def test_grouped_attention_probs_against_a_loop(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_ragged_heads_scored_apart_get_their_padded_scores(name, seed):
     """Heads holding different numbers of tokens (per-head page tables pad
-    the shorter ones) are scored one by one over their own tokens: every
-    query-based policy gives each live token the score it gives it in the
-    padded layer, so none couples its heads and each head reads its own
-    query group, moments and projection slice."""
+    the shorter ones) are scored one by one over their own tokens, or whole
+    by a policy that skips the padding itself (``scores_ragged_heads``):
+    every query-based policy gives each live token the score it gives it in
+    the padded layer and in a layer of that head alone, so none couples its
+    heads and each head reads its own query group, moments and projection
+    slice."""
     gen = torch.Generator().manual_seed(seed)
     heads, group, dim, window, d_model, end = 3, 3, 32, 8, 24, 240
     lengths = [int(n) for n in torch.randperm(50, generator=gen)[:heads] + window + 4]
@@ -355,7 +357,10 @@ def test_ragged_heads_scored_apart_get_their_padded_scores(name, seed):
     )
     policy = make_policy(name)
     padded = policy.score(inputs).float()
-    apart = score_heads(policy, inputs, live)
+    chosen = score_heads(policy, inputs, live)
     for h, n in enumerate(lengths):
-        torch.testing.assert_close(apart[h, :n], padded[h, :n], rtol=1e-4, atol=1e-6)
-        assert not apart[h, n:].any()
+        alone = policy.score(inputs.head(h, n))[0].float()
+        torch.testing.assert_close(chosen[h, :n], alone, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(padded[h, :n], alone, rtol=1e-4, atol=1e-6)
+        if not policy.scores_ragged_heads:
+            assert not chosen[h, n:].any()

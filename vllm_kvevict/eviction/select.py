@@ -118,9 +118,10 @@ def score_heads(policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tenso
     what the longest costs, and every padded column goes through its causal
     mask (on a layer whose heads hold 2,464, 224 and 192 tokens, SnapKV's
     score took 3.3-6.3 ms padded and 0.7 ms head by head). Policies that score
-    token by token read padding at the cost of the padding alone.
+    token by token read padding at the cost of the padding alone, and those
+    with ``scores_ragged_heads`` skip it themselves.
     """
-    if policy.needs_queries and live is not None:
+    if policy.needs_queries and not policy.scores_ragged_heads and live is not None:
         lengths = live.sum(-1).tolist()
         if min(lengths, default=0) != max(lengths, default=0):
             scores = torch.zeros(live.shape, dtype=torch.float32, device=live.device)

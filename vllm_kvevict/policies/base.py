@@ -126,6 +126,11 @@ class EvictionPolicy(ABC):
     needs_log_beta: ClassVar[bool] = False
     """Scores with the log retention each token's gate gave it when it was
     written (:mod:`retention_gate`), passed as ``log_beta`` with ``step``."""
+    scores_ragged_heads: ClassVar[bool] = False
+    """A layer whose heads hold different numbers of tokens (each row's real
+    tokens first, then ``PADDING_POSITION``) is scored whole: the policy does
+    no work on the padding itself, so the engine need not split the layer
+    into one call per head (:func:`~vllm_kvevict.eviction.select.score_heads`)."""
     global_scores: ClassVar[bool] = False
     """Scores sit on one scale across layers, so one ranking over every
     (layer, KV head) can split the budget (``head_budget: global``)."""

@@ -33,6 +33,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     name = "expected_attention"
     needs_queries = True
     needs_rotary = True
+    scores_ragged_heads = True  # the statistics once per layer, products over each head's tokens
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"  # kvpress's registry wraps it in AdaKV
     default_observation_window = 128  # the paper's buffer of recent hidden states
@@ -68,26 +69,50 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         num_queries = future.shape[1]
         mean_bar = future.mean(dim=1) if num_queries else future.new_zeros(num_q_heads, head_dim)
         # In fp32 (the cache's precision at most): the statistics, and the
-        # per-token products in one batched matmul per term: query head
-        # h * G + g reads KV head h.
+        # per-token products in one matmul per term: query head h * G + g
+        # reads KV head h.
+        mean_bar = mean_bar.float().view(num_kv_heads, group, head_dim)
+        cov_bar = None
+        if self.use_covariance and num_queries:
+            centred = future - mean_bar.view(num_q_heads, 1, head_dim)
+            cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
+            # [H, D, G * D]: k Σ̄_g for every g of a head in one product
+            cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
+            cov_bar = cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1)
         keys = inputs.keys.float()  # [H, S, D]
         num_keys = keys.shape[1]
-        logits = torch.bmm(mean_bar.float().view(num_kv_heads, group, head_dim), keys.transpose(1, 2))
-        if self.use_covariance and num_queries:
-            centred = future - mean_bar[:, None]
-            cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-            cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
-            # k Σ̄_g for every g at once: [H, S, D] @ [H, D, G * D]
-            spread = torch.bmm(keys, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1))
-            quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
-            logits = inputs.scale * logits + inputs.scale**2 / 2 * quadratic.transpose(1, 2)
-        else:
-            logits = inputs.scale * logits
+        lengths = (inputs.key_positions < PADDING_POSITION).sum(-1).tolist()
+        if min(lengths, default=0) == num_keys:  # no padding: every head at once
+            logits = self._log_z(keys, mean_bar, cov_bar, inputs.scale)
+        else:  # each head over its own tokens (real tokens first, then padding)
+            logits = keys.new_zeros(num_kv_heads, group, num_keys)
+            for h, length in enumerate(lengths):
+                if length:
+                    logits[h, :, :length] = self._log_z(
+                        keys[h : h + 1, :length], mean_bar[h : h + 1],
+                        None if cov_bar is None else cov_bar[h : h + 1], inputs.scale,
+                    )[0]
         logits = logits.reshape(num_q_heads, num_keys).double()
         positions = inputs.key_positions.repeat_interleave(group, dim=0)
         excluded = (positions < self.num_sink) | (positions >= PADDING_POSITION)
         probs = torch.softmax(logits.masked_fill(excluded, float("-inf")), dim=-1)
         return probs.nan_to_num(0.0)  # a head with nothing to score
+
+    @staticmethod
+    def _log_z(
+        keys: torch.Tensor, mean_bar: torch.Tensor, cov_bar: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """``log ẑ`` of Eq. 7, ``[H, G, S]`` fp32, for ``keys [H, S, D]``,
+        ``mean_bar [H, G, D]`` and ``cov_bar [H, D, G * D]`` (None: no
+        covariance term)."""
+        num_kv_heads, num_keys, head_dim = keys.shape
+        logits = scale * torch.bmm(mean_bar, keys.transpose(1, 2))
+        if cov_bar is None:
+            return logits
+        group = mean_bar.shape[1]
+        spread = torch.bmm(keys, cov_bar)  # [H, S, G * D]
+        quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
+        return logits + scale**2 / 2 * quadratic.transpose(1, 2)
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         num_kv_heads = inputs.keys.shape[0]
