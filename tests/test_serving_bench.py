@@ -427,13 +427,13 @@ def test_eviction_histogram_over_a_run_from_two_scrapes() -> None:
     run = histogram_delta(before, after)
     assert run.buckets == _bucketed(during)
     assert run.count == 9 and run.sum == pytest.approx(sum(during))
-    # p50: rank 4.5 of 9; 3 observations up to 0.01, 2 in (0.01, 0.025]: 0.01 + 0.015 x 1.5 / 2.
-    assert histogram_quantile(0.5, run.buckets) == pytest.approx(0.02125)
+    # p50: rank 4.5 of 9; 3 observations up to 0.01, 2 in (0.01, 0.02]: 0.01 + 0.01 x 1.5 / 2.
+    assert histogram_quantile(0.5, run.buckets) == pytest.approx(0.0175)
     assert histogram_quantile(0.99, run.buckets) == LATENCY_BUCKETS[-1]  # rank 8.91 lies in +Inf
     summary = summarize_run("snapkv@0.25", 0.25, 992, [_record(0, 0.0, [1.0, 2.0], [1, 1])], [],
                             0.0, 517, run)
     assert summary.eviction_steps == 9 and summary.eviction_seconds == pytest.approx(sum(during))
-    assert summary.eviction_p50_ms == pytest.approx(21.25) and summary.eviction_p99_ms == LATENCY_BUCKETS[-1] * 1000
+    assert summary.eviction_p50_ms == pytest.approx(17.5) and summary.eviction_p99_ms == LATENCY_BUCKETS[-1] * 1000
     assert summarize_run(FULL, None, None, [], [], None, None).eviction_p50_ms is None
     # Born during the run: from 0. Absent at the end, or gone down (a restart): unknown.
     assert histogram_delta(None, after) == after and histogram_delta(before, None) is None
