@@ -269,7 +269,9 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
             head_paged_view(kv_cache), plan.backend_data,
             layer.isa,  # type: ignore[attr-defined]
             layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype,
-            native=plan.kernel == "native",
+            # head_pages loaded the extension at start-up; slots storage
+            # neither gathers nor writes head-pages, and must not build it here.
+            native=plan.kernel == "native" and plan.storage == "head_pages",
         )
 
     def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
