@@ -211,6 +211,7 @@ class _SpyPolicy:
         self.needs_queries: bool = inner.needs_queries
         self.needs_rotary: bool = inner.needs_rotary
         self.needs_output_projection: bool = inner.needs_output_projection
+        self.scores_ragged_heads: bool = inner.scores_ragged_heads
         self.calls: list[tuple[Any, ...]] = []
 
     @property
