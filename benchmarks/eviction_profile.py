@@ -10,8 +10,9 @@ own entry point for the config's storage (``evict_slots``, ``compact_head_pages`
 or, with pooled layers, ``compact_global`` after the last layer) on every layer,
 with random observation queries and the model's RoPE frequencies and output
 projection shapes. Each (layer, KV head)'s keys are scaled by its own factor
-(``--head-spread``), so that an adaptive allocation gives heads different
-numbers of tokens, as the server's heads hold. Only the eviction calls are
+(``--head-spread``), and optionally its values (``--value-spread``), so that
+an adaptive allocation gives heads different numbers of tokens, as the
+server's heads hold. Only the eviction calls are
 timed; attention and the rest of the model are not run. An *eviction step*
 is one eviction point of one request over every layer, which is what one
 sample of the server's ``kvevict_eviction_seconds`` measures when one
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=128, help="output tokens decoded after the prompt, with the config's decode-time evictions (default: %(default)s)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk, vLLM's --max-num-batched-tokens (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=32, help="(default: %(default)s)")
+    parser.add_argument("--value-spread", type=float, default=0.0, help="the same for a per-(layer, KV head) value scale, which splits Expected Attention's heads unevenly (its score weighs ‖v‖); 0: values unscaled (default: %(default)s)")
     parser.add_argument("--head-spread", type=float, default=0.1, help="standard deviation of the log of a per-(layer, KV head) key scale, which makes heads attend more or less sharply; 0.1 gives AdaKV's heads the spread measured in the server (longest over mean 1.42) (default: %(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="KV cache dtype (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per config (default: %(default)s)")
@@ -113,6 +115,13 @@ class PrefillRun:
         self.key_scale = torch.exp(
             torch.randn(shape.layers, shape.kv_heads, 1, 1, generator=self.gen) * args.head_spread
         )
+        # Values likewise (--value-spread): the scores that weigh a token by
+        # its value norm (Expected Attention's) split unevenly across heads.
+        self.value_scale = torch.ones(shape.layers, shape.kv_heads, 1, 1)
+        if args.value_spread:
+            self.value_scale = torch.exp(
+                torch.randn(shape.layers, shape.kv_heads, 1, 1, generator=self.gen) * args.value_spread
+            )
         blocks = cdiv(args.prompt + args.decode, bs) + 1
         self.block_row = torch.arange(1, blocks + 1, dtype=torch.int32)  # block 0: vLLM's null block
         streams = shape.kv_heads * (shape.layers if config.pools_layers else 1)
@@ -155,7 +164,7 @@ class PrefillRun:
         shape, n = self.shape, end - start
         for layer, cache in enumerate(self.caches):
             keys = torch.randn(shape.kv_heads, n, shape.head_dim, generator=self.gen) * self.key_scale[layer]
-            values = torch.randn(shape.kv_heads, n, shape.head_dim, generator=self.gen)
+            values = torch.randn(shape.kv_heads, n, shape.head_dim, generator=self.gen) * self.value_scale[layer]
             cache.write_slots(self.block_row, start, keys.to(self.pool.dtype), values.to(self.pool.dtype))
             if self.policy.needs_log_beta:
                 slots = torch.arange(start, end)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     name = "expected_attention"
     needs_queries = True
     needs_rotary = True
-    scores_ragged_heads = True  # the statistics once per layer, products over each head's tokens
+    scores_ragged_heads = True  # the statistics once per layer, the rest over each head's tokens
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"  # kvpress's registry wraps it in AdaKV
     default_observation_window = 128  # the paper's buffer of recent hidden states
@@ -52,6 +53,38 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     def expected_probs(self, inputs: ScoringInputs) -> torch.Tensor:
         """``â`` of Eq. 8 per query head, ``[Hq, S]`` float64; sinks and padding 0."""
+        return self._by_head(inputs, self._probs).flatten(0, 1)
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        return self._by_head(inputs, self._scores)
+
+    def _by_head(self, inputs: ScoringInputs, compute: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``compute(keys, values, positions, μ̄, Σ̄, scale)`` over the layer,
+        the statistics taken once: every head at once when none is padded,
+        else each head over its own tokens (real tokens first, then padding),
+        so no work is spent on padding, which gets 0."""
+        mean_bar, cov_bar = self._statistics(inputs)
+        keys, values, positions = inputs.keys, inputs.values, inputs.key_positions
+        num_keys = keys.shape[1]
+        lengths = (positions < PADDING_POSITION).sum(-1).tolist()
+        if min(lengths, default=0) == num_keys:
+            return compute(keys, values, positions, mean_bar, cov_bar, inputs.scale)
+        parts = [
+            compute(
+                keys[h : h + 1, :length], values[h : h + 1, :length], positions[h : h + 1, :length],
+                mean_bar[h : h + 1], None if cov_bar is None else cov_bar[h : h + 1], inputs.scale,
+            )
+            for h, length in enumerate(lengths)
+        ]
+        out = parts[0].new_zeros(len(parts), *parts[0].shape[1:-1], num_keys)
+        for h, (part, length) in enumerate(zip(parts, lengths)):
+            out[h, ..., :length] = part[0]
+        return out
+
+    def _statistics(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``μ̄`` ``[H, G, D]`` and ``Σ̄`` as ``[H, D, G * D]`` (query head
+        ``h * G + g`` reads KV head ``h``; None without the covariance term),
+        fp32: the cache's precision at most."""
         assert inputs.queries is not None and inputs.query_positions is not None
         assert inputs.rotary is not None, "expected_attention needs the model's RoPE"
         num_kv_heads, _, head_dim = inputs.keys.shape
@@ -68,55 +101,37 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         )  # [Hq, m, D]
         num_queries = future.shape[1]
         mean_bar = future.mean(dim=1) if num_queries else future.new_zeros(num_q_heads, head_dim)
-        # In fp32 (the cache's precision at most): the statistics, and the
-        # per-token products in one matmul per term: query head h * G + g
-        # reads KV head h.
         mean_bar = mean_bar.float().view(num_kv_heads, group, head_dim)
-        cov_bar = None
-        if self.use_covariance and num_queries:
-            centred = future - mean_bar.view(num_q_heads, 1, head_dim)
-            cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-            # [H, D, G * D]: k Σ̄_g for every g of a head in one product
-            cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
-            cov_bar = cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1)
-        keys = inputs.keys.float()  # [H, S, D]
-        num_keys = keys.shape[1]
-        lengths = (inputs.key_positions < PADDING_POSITION).sum(-1).tolist()
-        if min(lengths, default=0) == num_keys:  # no padding: every head at once
-            logits = self._log_z(keys, mean_bar, cov_bar, inputs.scale)
-        else:  # each head over its own tokens (real tokens first, then padding)
-            logits = keys.new_zeros(num_kv_heads, group, num_keys)
-            for h, length in enumerate(lengths):
-                if length:
-                    logits[h, :, :length] = self._log_z(
-                        keys[h : h + 1, :length], mean_bar[h : h + 1],
-                        None if cov_bar is None else cov_bar[h : h + 1], inputs.scale,
-                    )[0]
-        logits = logits.reshape(num_q_heads, num_keys).double()
-        positions = inputs.key_positions.repeat_interleave(group, dim=0)
-        excluded = (positions < self.num_sink) | (positions >= PADDING_POSITION)
-        probs = torch.softmax(logits.masked_fill(excluded, float("-inf")), dim=-1)
-        return probs.nan_to_num(0.0)  # a head with nothing to score
+        if not (self.use_covariance and num_queries):
+            return mean_bar, None
+        centred = future - mean_bar.view(num_q_heads, 1, head_dim)
+        cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
+        cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
+        return mean_bar, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1)
 
-    @staticmethod
-    def _log_z(
-        keys: torch.Tensor, mean_bar: torch.Tensor, cov_bar: torch.Tensor | None, scale: float
+    def _probs(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+        mean_bar: torch.Tensor, cov_bar: torch.Tensor | None, scale: float,
     ) -> torch.Tensor:
-        """``log ẑ`` of Eq. 7, ``[H, G, S]`` fp32, for ``keys [H, S, D]``,
-        ``mean_bar [H, G, D]`` and ``cov_bar [H, D, G * D]`` (None: no
-        covariance term)."""
+        """``â`` (Eq. 8), ``[H, G, S]`` float64, from ``log ẑ`` (Eq. 7): one
+        matmul per term, ``k Σ̄_g`` for every ``g`` of a head in one product."""
+        keys = keys.float()
         num_kv_heads, num_keys, head_dim = keys.shape
         logits = scale * torch.bmm(mean_bar, keys.transpose(1, 2))
-        if cov_bar is None:
-            return logits
-        group = mean_bar.shape[1]
-        spread = torch.bmm(keys, cov_bar)  # [H, S, G * D]
-        quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
-        return logits + scale**2 / 2 * quadratic.transpose(1, 2)
+        if cov_bar is not None:
+            group = mean_bar.shape[1]
+            spread = torch.bmm(keys, cov_bar)  # [H, S, G * D]
+            quadratic = (spread.view(num_kv_heads, num_keys, group, head_dim) * keys[:, :, None]).sum(-1)
+            logits = logits + scale**2 / 2 * quadratic.transpose(1, 2)
+        excluded = (positions < self.num_sink) | (positions >= PADDING_POSITION)
+        probs = torch.softmax(logits.double().masked_fill(excluded[:, None], float("-inf")), dim=-1)
+        return probs.nan_to_num(0.0)  # a head with nothing to score
 
-    def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        num_kv_heads = inputs.keys.shape[0]
-        probs = self.expected_probs(inputs)
-        grouped = probs.view(num_kv_heads, -1, probs.shape[-1]).mean(dim=1)  # [H, S]
-        scores = (grouped + self.epsilon) * inputs.values.float().norm(dim=-1).double()
-        return scores.masked_fill(inputs.key_positions < self.num_sink, float("inf"))
+    def _scores(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+        mean_bar: torch.Tensor, cov_bar: torch.Tensor | None, scale: float,
+    ) -> torch.Tensor:
+        """Eq. 9, ``[H, S]`` float64; the sinks ``+inf``."""
+        grouped = self._probs(keys, values, positions, mean_bar, cov_bar, scale).mean(dim=1)
+        scores = (grouped + self.epsilon) * values.float().norm(dim=-1).double()
+        return scores.masked_fill(positions < self.num_sink, float("inf"))
