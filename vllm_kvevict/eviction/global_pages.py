@@ -110,7 +110,7 @@ def compact_global(
         streams = slice(index * num_heads, (index + 1) * num_heads)
         layer_counts = counts_list[streams]
         table = page_table_of(new_pages[streams], rows.pages)
-        write_kept(cache, tokens, kept[streams], layer_counts, table)
+        write_kept(cache, tokens, kept[streams], counts[streams], table)
         record_kept(rows, tokens, kept[streams], counts[streams], table)
         for h, count in enumerate(layer_counts):
             if count:

@@ -65,7 +65,6 @@ def gather_live(
         lens: ``[H]`` compacted tokens per head.
         positions: ``[H, capacity]`` original positions of compacted tokens.
     """
-    bs = cache.block_size
     if isinstance(cache, CopiesHeads):
         keys, values = cache.read_heads(pages, lens, block_row, region_start, point)
     else:
@@ -101,7 +100,7 @@ def live_addresses(
         page = pages.to(device).long()[:, (column[0] // bs).clamp(max=pages.shape[1] - 1)]
         addresses = torch.where(compacted, page * bs + column % bs, addresses)
     if point > region_start:
-        slot = (region_start + column - lens).clamp(min=region_start, max=point - 1)
+        slot = tokens.positions.clamp(min=region_start, max=point - 1)  # a standard column's slot
         heads = torch.arange(num_heads, device=device)[:, None]
         blocks = block_row.to(device).long()[slot // bs]
         standard = tokens.live & ~compacted
@@ -182,15 +181,15 @@ def page_table_of(new_pages: list[torch.Tensor], like: torch.Tensor) -> torch.Te
 
 
 def write_kept(
-    cache: CacheOps, tokens: LiveTokens, kept: torch.Tensor, counts: list[int], page_table: torch.Tensor
+    cache: CacheOps, tokens: LiveTokens, kept: torch.Tensor, counts: torch.Tensor, page_table: torch.Tensor
 ) -> None:
     """Each head's kept tokens, in order, into its new pages ``page_table[h]``."""
     if isinstance(cache, CopiesHeads):
-        cache.write_heads(tokens.keys, tokens.values, kept, torch.tensor(counts), page_table)
+        cache.write_heads(tokens.keys, tokens.values, kept, counts, page_table)
         return
     # index_select, not advanced indexing: on CPU a row gather through
     # ``x[h, index]`` took 4x as long (960 rows of 64 floats).
-    for h, count in enumerate(counts):
+    for h, count in enumerate(counts.tolist()):
         index = kept[h, :count]
         cache.write_pages(
             page_table[h, : cdiv(count, cache.block_size)],
@@ -242,7 +241,7 @@ def compact_head_pages(
     else:
         if rows.moments is not None:
             rows.moments.fold_(*evicted_tokens(tokens, kept))
-        write_kept(cache, tokens, kept, counts_list, page_table)
+        write_kept(cache, tokens, kept, counts, page_table)
     record_kept(rows, tokens, kept, counts, page_table)
     used = sum(p.numel() for p in new_pages)
     observer.released(cache, Released(
