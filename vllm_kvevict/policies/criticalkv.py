@@ -6,6 +6,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from vllm_kvevict.policies.allocation import top_k_mask
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.options import build_with_options
 from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
@@ -140,10 +141,7 @@ class CriticalKVPolicy(EvictionPolicy):
     ) -> torch.Tensor:
         assert inputs.output_projection is not None, "criticalkv needs the output projection"
         stage_one = (counts.float() * self.first_stage_ratio).floor().long()
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
-        first = rank < stage_one[:, None]
+        first = top_k_mask(scores, stage_one)
         # Only stage 2's candidates are ranked by the norm: not stage 1, not
         # protected (+inf), not padding (-inf).
         candidates = ~first & torch.isfinite(scores)
