@@ -198,6 +198,18 @@ def test_expected_attention_score_equals_loop_reference(seed):
                 assert math.isclose(float(scores[h, i]), want, rel_tol=1e-5)  # fp32 products
 
 
+def test_expected_attention_reused_across_layers_and_points_scores_as_new():
+    """One policy serves every layer and eviction point; what it keeps from
+    one point (the averaged rotation's factors) must not leak into the next."""
+    gen = torch.Generator().manual_seed(7)
+    policy = ExpectedAttentionPolicy(num_future=50, num_sink=2)
+    for live, window in [(40, 12), (40, 12), (48, 12), (48, 10), (40, 12)]:
+        inputs = _inputs(gen, live=live, window=window)
+        fresh = ExpectedAttentionPolicy(num_future=50, num_sink=2).score(inputs)
+        assert torch.equal(policy.score(inputs), fresh)
+    assert ExpectedAttentionPolicy(num_future=50) == ExpectedAttentionPolicy(num_future=50)
+
+
 def test_expected_attention_options_are_checked():
     with pytest.raises(ValueError, match="epsilon"):
         make_policy("expected_attention", {"epsilon": -1})

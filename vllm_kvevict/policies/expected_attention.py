@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
-from vllm_kvevict.policies.rope import averaged_from
+from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, RotaryFrequencies, ScoringInputs
+from vllm_kvevict.policies.rope import averaged_from, averaged_turn
 
 
 @dataclass
@@ -50,6 +50,9 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             raise ValueError(f"expected_attention num_future must be >= 1, got {self.num_future}")
         if self.num_sink < 0:
             raise ValueError(f"expected_attention num_sink must be >= 0, got {self.num_sink}")
+        # averaged_turn's factors of the latest eviction points: every layer of
+        # a point caches the same query positions (a few points share a step).
+        self._turns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def expected_probs(self, inputs: ScoringInputs) -> torch.Tensor:
         """``â`` of Eq. 8 per query head, ``[Hq, S]`` float64; sinks and padding 0."""
@@ -96,8 +99,10 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             queries, query_positions = queries[:, stats], query_positions[stats]
         # The statistics of R̄q, which are R̄μ and R̄ΣR̄ᵀ (R̄ is linear): each
         # cached query unrotated and averaged over the future in one turn.
+        last = int(inputs.query_positions.max())
         future = averaged_from(
-            queries, query_positions, inputs.rotary, int(inputs.query_positions.max()), self.num_future
+            queries, query_positions, inputs.rotary, last, self.num_future,
+            self._turn(query_positions, inputs.rotary, last),
         )  # [Hq, m, D]
         num_queries = future.shape[1]
         mean_bar = future.mean(dim=1) if num_queries else future.new_zeros(num_q_heads, head_dim)
@@ -108,6 +113,22 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
         cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
         return mean_bar, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1)
+
+    def _turn(
+        self, positions: torch.Tensor, rotary: RotaryFrequencies, last: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`averaged_turn` for these positions, computed once per
+        eviction point rather than once per layer."""
+        key = (
+            tuple(positions.tolist()), last, tuple(rotary.inv_freq.tolist()), rotary.neox,
+            rotary.attention_scaling,
+        )
+        turn = self._turns.get(key)
+        if turn is None:
+            if len(self._turns) >= 8:
+                self._turns.clear()
+            turn = self._turns[key] = averaged_turn(positions, rotary, last, self.num_future)
+        return turn
 
     def _probs(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

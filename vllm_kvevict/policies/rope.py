@@ -59,7 +59,8 @@ def averaged_rotation_pairs(
 
 
 def averaged_from(
-    x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies, last_position: int, num_future: int
+    x: torch.Tensor, positions: torch.Tensor, rope: RotaryFrequencies, last_position: int, num_future: int,
+    turn: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``R̄ R_p⁻¹ x`` for post-RoPE ``x [..., T, D]`` at ``positions [T]``:
     each vector's pre-RoPE form under the rotation averaged over positions
@@ -67,13 +68,23 @@ def averaged_from(
     attention scaling and ``R_p⁻¹ = e^{-ipθ}`` over it, so the product is
     ``ρ e^{i(c-p)θ}``. Equals ``R̄`` applied (:func:`apply_averaged_rotation`)
     to :func:`unrotate`'s output, at one turn's cost instead of two. The
-    turn's factors are computed in float64, the turn itself in ``x``'s
+    turn's factors (:func:`averaged_turn`, or ``turn`` when the caller
+    holds them) are computed in float64, the turn itself in ``x``'s
     floating dtype (fp32 at least)."""
+    cos, sin = averaged_turn(positions, rope, last_position, num_future) if turn is None else turn
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return _turn(x.to(dtype), cos.to(dtype), sin.to(dtype), rope.neox)
+
+
+def averaged_turn(
+    positions: torch.Tensor, rope: RotaryFrequencies, last_position: int, num_future: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`averaged_from`'s factors ``ρ cos((c-p)θ)`` and ``ρ sin((c-p)θ)``,
+    ``[T, D/2]`` float64 each: the same for every layer that caches the
+    same positions."""
     theta, shrink, centre = _future_window(rope, last_position, num_future)
     angles = (centre - positions.double())[:, None] * theta
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = (shrink * angles.cos()).to(dtype), (shrink * angles.sin()).to(dtype)
-    return _turn(x.to(dtype), cos, sin, rope.neox)
+    return shrink * angles.cos(), shrink * angles.sin()
 
 
 def _future_window(
