@@ -100,7 +100,8 @@ WORKER_METRICS = {
         "counter", "Evictions applied: a request reaching an eviction point that drops tokens."
     ),
     "kvevict_eviction_seconds": MetricDef(
-        "histogram", "Worker time per model step spent evicting (all layers).",
+        "histogram", "Worker time per model step spent evicting, all layers: scoring, selection and "
+        "moving the kept tokens, not the attention of the step's tokens.",
         buckets=LATENCY_BUCKETS,
     ),
     "kvevict_side_buffer_bytes": MetricDef(

@@ -570,8 +570,10 @@ class EvictingImpl:
                     plan.pooled_queries[layer_index, i] = self._observation(plan, layer_index, ev, query)
         else:
             self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
-        started = time.perf_counter()
+        # The eviction engine's calls alone are timed: the attention of the
+        # tokens after a point is the step's own work, evicting or not.
         for ev in plan.evictions:
+            started = time.perf_counter()
             if plan.storage == "slots":
                 counts = evict_slots(
                     cache, plan.rule, ev, state.positions[layer_index, ev.state_row],
@@ -589,11 +591,13 @@ class EvictingImpl:
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
             else:
                 continue  # global: the step's end ranks every layer; nothing moves here
+            plan.eviction_seconds += time.perf_counter() - started
             if ev.segment_end > ev.point:
                 self._attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
         if plan.storage == "global" and layer_index == state.num_layers - 1:
+            started = time.perf_counter()
             self._compact_global(plan)
-        plan.eviction_seconds += time.perf_counter() - started
+            plan.eviction_seconds += time.perf_counter() - started
         plan.observer.layer_finished(output[:num_tokens])
         if layer_index == len(plan.layer_index) - 1:
             state.end_step(plan.num_evictions, plan.eviction_seconds)
