@@ -54,6 +54,7 @@ from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots
 from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.policies import ScoringInputs
+from vllm_kvevict.policies.allocation import use_native_selection
 from vllm_kvevict.policies.base import RotaryFrequencies
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
@@ -137,6 +138,9 @@ class PrefillRun:
             head_paged_cache(self.pool[o : o + per_layer], self.layout, native=True) for o in self.offsets
         ]
         self.pool_cache = HeadPagedCache(self.pool, self.layout)
+        # Likewise each row's top k, with per-head page tables (slots storage
+        # selects in torch: its server does not load the extension).
+        use_native_selection(cpu_ops.load_cpu_ops() if config.uses_head_pages else None)
         self.log_beta_pages = torch.zeros(self.pool.shape[0] * shape.kv_heads, bs)
         h = shape.kv_heads
         self.rows = [
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {args.prompt} tokens, budget {round(args.kept * args.prompt)} ({args.kept:.0%} kept), "
         f"chunk {args.chunk}, block {args.block_size}, {args.dtype}, {shape.layers} layers x "
         f"{shape.kv_heads} KV heads x {shape.q_heads} query heads x {shape.head_dim}, "
-        f"torch {torch.__version__}, {args.threads} thread(s), head_pages copies: "
+        f"torch {torch.__version__}, {args.threads} thread(s), head_pages copies and selection: "
         f"{'C++' if cpu_ops.load_cpu_ops() is not None else 'torch, per head'}"
     )
     for name in args.configs.split(","):

@@ -1068,6 +1068,10 @@ void gather_heads(const at::Tensor& kv_cache, const at::Tensor& head_pages,
 void write_heads(at::Tensor& kv_cache, const at::Tensor& keys, const at::Tensor& values,
                  const at::Tensor& kept, const at::Tensor& counts, const at::Tensor& page_table);
 
+// select_top.cpp
+at::Tensor top_k_mask(const at::Tensor& scores, const at::Tensor& k);
+at::Tensor top_k_indices(const at::Tensor& scores, const at::Tensor& k);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-kvevict CPU kernels";
   m.def("head_paged_attention", &head_paged_attention,
@@ -1089,4 +1093,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Each KV head's kept rows of dense keys and values into its new head-pages, in order",
         py::arg("kv_cache"), py::arg("keys"), py::arg("values"), py::arg("kept"),
         py::arg("counts"), py::arg("page_table"), py::call_guard<py::gil_scoped_release>());
+  m.def("top_k_mask", &top_k_mask,
+        "[R, N] bool: each row's first k[r] entries by score descending, ties to the lower index",
+        py::arg("scores"), py::arg("k"));
+  m.def("top_k_indices", &top_k_indices,
+        "The same entries as indices, ascending, -1 padded to [R, max k]",
+        py::arg("scores"), py::arg("k"));
 }

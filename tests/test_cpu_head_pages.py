@@ -302,3 +302,35 @@ def test_compaction_through_native_copies_is_the_per_head_compaction(isa, seed):
         n = int(native.lens[h])
         got, _ = logical.read_pages(native.pages[h], n)
         assert torch.equal(got, logical_keys[h, native.positions[h, :n].long()])
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_evicted_tokens_are_each_heads_dropped_live_tokens_in_slot_order(native, seed):
+    """What a compaction folds into the moments: every live token a head did
+    not keep, in slot order, masked past the head's count; with the torch
+    selection and with the C++ one."""
+    from vllm_kvevict import cpu_ops
+    from vllm_kvevict.eviction.head_pages import LiveTokens, evicted_tokens
+    from vllm_kvevict.policies.allocation import use_native_selection
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, width, dim = 3, 50, 8
+    lengths = torch.randint(10, width + 1, (heads,), generator=gen)
+    live = torch.arange(width)[None, :] < lengths[:, None]
+    tokens = LiveTokens(torch.randn(heads, width, dim, generator=gen), torch.randn(heads, width, dim, generator=gen),
+                        torch.where(live, torch.arange(width), PADDING_POSITION), live)
+    counts = [int(torch.randint(0, int(n) + 1, (1,), generator=gen)) for n in lengths]
+    kept = torch.full((heads, max(counts)), -1)
+    for h, (n, c) in enumerate(zip(lengths.tolist(), counts)):
+        kept[h, :c] = torch.randperm(n, generator=gen)[:c].sort().values
+    use_native_selection(cpu_ops.load_cpu_ops() if native else None)
+    try:
+        keys, values, mask = evicted_tokens(tokens, kept)
+    finally:
+        use_native_selection(None)
+    for h, n in enumerate(lengths.tolist()):
+        dropped = [s for s in range(n) if s not in set(kept[h, : counts[h]].tolist())]
+        assert mask[h].sum() == len(dropped) and bool(mask[h, : len(dropped)].all())
+        assert torch.equal(keys[h, : len(dropped)], tokens.keys[h, dropped])
+        assert torch.equal(values[h, : len(dropped)], tokens.values[h, dropped])

@@ -256,11 +256,13 @@ def test_a_changed_source_is_rebuilt(first_build, fresh, tmp_path):
     edited.write_text(cpu_ops._source_path().read_text())
     other = tmp_path / "compact_head_pages.cpp"
     other.write_text((cpu_ops._source_path().parent / other.name).read_text() + "\n// edited\n")
+    selection = tmp_path / "select_top.cpp"
+    selection.write_text((cpu_ops._source_path().parent / selection.name).read_text())
     calls: list[Path] = []
 
     def compiler(**kwargs):
         calls.append(Path(kwargs["build_directory"]))
-        assert kwargs["sources"] == [str(edited), str(other)]
+        assert kwargs["sources"] == [str(edited), str(other), str(selection)]
         raise RuntimeError("compile stopped by the test")
 
     fresh.setattr(cpu_ops, "_source_path", lambda: edited)

@@ -22,7 +22,8 @@ on the logical cache.
 
 The same extension copies a ``head_pages`` compaction's tokens, every KV
 head in one call (``csrc/compact_head_pages.cpp``: :func:`gather_heads`,
-:func:`write_heads`).
+:func:`write_heads`), and ranks a selection's rows (``csrc/select_top.cpp``:
+``top_k_mask``, ``top_k_indices``, called by ``policies/allocation.py``).
 
 Also here, the other torch code of the CPU serving path:
 :func:`attend_head_tokens` (the attention both torch implementations share)
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "kvevict_cpu_ops"
 _SOURCE = "head_paged_attention.cpp"  # the attention kernel and the module's bindings
-_OTHER_SOURCES = ("compact_head_pages.cpp",)  # beside it
+_OTHER_SOURCES = ("compact_head_pages.cpp", "select_top.cpp")  # beside it
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 _LDFLAGS = ("-fopenmp",)
 # The longest wait for another process's build of the same kernel, and the age

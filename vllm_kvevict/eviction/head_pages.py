@@ -35,6 +35,7 @@ from vllm_kvevict.eviction.cache_ops import (
 )
 from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
+from vllm_kvevict.policies.allocation import select_top
 from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.schedule import cdiv
 
@@ -164,11 +165,10 @@ def evicted_tokens(tokens: LiveTokens, kept: torch.Tensor) -> tuple[torch.Tensor
     live token read all of them (at a decode-time eviction, 32 of ~1,000)."""
     evicted = tokens.live & ~kept_mask(kept, tokens.live)
     counts = evicted.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
-    # A stable sort puts each head's evicted tokens first, in slot order.
-    index = torch.sort(evicted.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :width]
+    # Each head's evicted tokens in slot order, -1 padded (read as token 0, masked).
+    index = select_top(evicted.float(), counts).clamp(min=0)
     rows = index.unsqueeze(-1).expand(-1, -1, tokens.keys.shape[-1])
-    mask = torch.arange(width, device=index.device)[None, :] < counts[:, None]
+    mask = torch.arange(index.shape[1], device=index.device)[None, :] < counts[:, None]
     return tokens.keys.gather(1, rows), tokens.values.gather(1, rows), mask
 
 
