@@ -172,6 +172,7 @@ def test_unsupported_version_platform_or_contract_keeps_the_plugin_off(monkeypat
     monkeypatch.setattr(compat, "platform_name", lambda: "rocm")
     assert "found ROCm" in compat.unsupported_reason()
     monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    monkeypatch.setitem(compat.COMPILED_OPS, "cuda", "vllm._custom_ops")  # stands for ops that load
     assert compat.unsupported_reason() is None
 
     def changed():
@@ -187,6 +188,33 @@ def test_unsupported_version_platform_or_contract_keeps_the_plugin_off(monkeypat
     reason = compat.unsupported_reason()
     assert reason.startswith("vLLM changed: ImportError") and "kv_cache_spec_registry" in reason
     assert "\n" not in reason
+
+
+def test_compiled_ops_that_do_not_load_are_named_with_the_fix(monkeypatch):
+    """vLLM's CUDA ops built for another torch (or missing): the gate names
+    them and the fix, whether their import fails or an op is missing later."""
+    import torch
+
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    monkeypatch.setitem(compat.COMPILED_OPS, "cuda", "vllm_kvevict_no_such_compiled_ops")
+    reason = compat.unsupported_reason()
+    assert reason.startswith("vLLM's compiled ops did not load: ModuleNotFoundError")
+    assert "vllm_kvevict_no_such_compiled_ops" in reason
+    assert f"install vLLM's CUDA wheel for your torch ({torch.__version__})" in reason
+
+    monkeypatch.setitem(compat.COMPILED_OPS, "cuda", "vllm._custom_ops")
+
+    def op_missing():
+        raise AttributeError("'_OpNamespace' '_C' object has no attribute 'cutlass_scaled_mm_supports_block_fp8'")
+
+    monkeypatch.setattr(compat, "check_core_contract", op_missing)
+    reason = compat.unsupported_reason()
+    assert reason.startswith("vLLM's compiled ops did not load: AttributeError")
+    assert "cutlass_scaled_mm_supports_block_fp8" in reason and "install vLLM's CUDA wheel" in reason
+    assert "\n" not in reason
+    monkeypatch.setattr(compat, "platform_name", lambda: "cpu")  # the CPU platform loads no CUDA ops
+    monkeypatch.setattr(compat, "check_core_contract", lambda: None)
+    assert compat.unsupported_reason() is None
 
 
 def test_platform_name_when_vllm_cannot_tell(monkeypatch):

@@ -11,6 +11,7 @@ without it) and only a request for eviction is refused, with the reason.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -22,6 +23,11 @@ _PLATFORM_NAMES = {
     "oot": "an out-of-tree platform", "unspecified": "no supported device",
 }
 _UPGRADE_FIX = f"install {SUPPORTED_VLLM_TEXT} or a vllm-kvevict release made for this vLLM"
+# The compiled ops vLLM loads first on a platform (vllm/platforms/cuda.py
+# imports them unconditionally): built for one torch, they fail on another.
+COMPILED_OPS = {"cuda": "vllm._C_stable_libtorch"}
+# What an op of theirs missing from torch.ops says.
+_MISSING_OPS_SIGNS = ("_OpNamespace", "_C_stable_libtorch")
 
 
 class VLLMContractError(RuntimeError):
@@ -96,18 +102,41 @@ def check_platform(name: str) -> None:
         )
 
 
+def compiled_ops_missing(exc: BaseException) -> str:
+    import torch
+
+    first_line = (str(exc).splitlines() or [""])[0]
+    return (f"vLLM's compiled ops did not load: {type(exc).__name__}: {first_line}; install vLLM's CUDA wheel "
+            f"for your torch ({torch.__version__})")
+
+
+def check_compiled_ops(platform: str) -> None:
+    module = COMPILED_OPS.get(platform)
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure to load them means the same fix
+        raise VLLMContractError(compiled_ops_missing(exc)) from exc
+
+
 def unsupported_reason() -> str | None:
     """Why the plugin must stay off in this process, in one sentence naming the
-    fix; None when the vLLM version, the platform and the internals it uses are
-    the ones it was made for."""
+    fix; None when the vLLM version, the platform, its compiled ops and the
+    internals it uses are the ones it was made for."""
     try:
         check_vllm_version()
-        check_platform(platform_name())
+        platform = platform_name()
+        check_platform(platform)
+        check_compiled_ops(platform)
         check_core_contract()
     except VLLMContractError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a module or symbol moved: the checks cannot run
-        return f"vLLM changed: {type(exc).__name__}: {exc}; {_UPGRADE_FIX}"
+        if any(sign in str(exc) for sign in _MISSING_OPS_SIGNS):
+            return compiled_ops_missing(exc)
+        first_line = (str(exc).splitlines() or [""])[0]
+        return f"vLLM changed: {type(exc).__name__}: {first_line}; {_UPGRADE_FIX}"
     return None
 
 
