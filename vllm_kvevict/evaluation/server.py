@@ -2,22 +2,71 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import requests
 
+# LO-HI: the ports free_port() hands out (see there).
+PORT_RANGE_ENV = "KVEVICT_PORT_RANGE"
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port that no socket holds now, for a server about to bind it.
+
+    By default the kernel picks it from its ephemeral range, where the port is
+    free again once this returns: another process asking the kernel for a port
+    before the server binds may be given the same one. With
+    ``KVEVICT_PORT_RANGE=LO-HI`` the ports come from that range instead, in
+    turn, through a counter file that every process using the range shares
+    under a lock: two calls get the same port only after the whole range has
+    been handed out. The test suite gives each pytest-xdist worker a range of
+    its own below the kernel's ephemeral range, so no two servers of the run,
+    and none of the ports vLLM asks the kernel for, can collide.
+    """
+    spec = os.environ.get(PORT_RANGE_ENV, "")
+    if not spec:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    low, high = _port_range(spec)
+    counter = Path(tempfile.gettempdir()) / f"kvevict-ports-{low}-{high}"
+    with open(counter, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        text = handle.read().strip()
+        last = int(text) if text.isdigit() else high
+        size = high - low + 1
+        for step in range(1, size + 1):
+            port = low + (last - low + step) % size
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(port))
+            return port
+    raise RuntimeError(f"{PORT_RANGE_ENV}={spec}: every port of the range is in use")
+
+
+def _port_range(spec: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in spec.split("-"))
+    except ValueError:
+        low, high = 0, -1
+    if not 0 < low <= high < 65536:
+        raise ValueError(f"{PORT_RANGE_ENV} must be LO-HI (ports 1 to 65535), not {spec!r}")
+    return low, high
 
 
 def vllm_executable() -> str:

@@ -1,0 +1,68 @@
+"""What lets the suite run on two pytest-xdist workers: ports no two servers
+share.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vllm_kvevict.evaluation.server import PORT_RANGE_ENV, free_port
+
+PRINT_PORTS = "from vllm_kvevict.evaluation.server import free_port\nprint(*(free_port() for _ in range({n})))"
+
+
+@pytest.fixture
+def private_counter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """free_port's counter files in ``tmp_path`` (for this process and children)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    return tmp_path
+
+
+def test_ports_come_from_the_range_in_turn(private_counter, monkeypatch):
+    monkeypatch.setenv(PORT_RANGE_ENV, "31000-31003")
+    assert [free_port() for _ in range(6)] == [31000, 31001, 31002, 31003, 31000, 31001]
+
+
+def test_a_port_in_use_is_skipped(private_counter, monkeypatch):
+    monkeypatch.setenv(PORT_RANGE_ENV, "31010-31012")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 31011))
+        held.listen()
+        assert [free_port() for _ in range(3)] == [31010, 31012, 31010]
+        with socket.socket() as second, socket.socket() as third:
+            second.bind(("127.0.0.1", 31010))
+            third.bind(("127.0.0.1", 31012))
+            with pytest.raises(RuntimeError, match="every port of the range is in use"):
+                free_port()
+
+
+def test_processes_sharing_a_range_never_get_the_same_port(private_counter, monkeypatch):
+    """Four processes asking together: every port handed out once."""
+    monkeypatch.setenv(PORT_RANGE_ENV, "31100-31199")
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    procs = [subprocess.Popen([sys.executable, "-c", PRINT_PORTS.format(n=20)], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    ports = [int(port) for proc in procs for port in proc.communicate(timeout=120)[0].split()]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert len(ports) == len(set(ports)) == 80
+    assert all(31100 <= port <= 31199 for port in ports)
+
+
+def test_without_a_range_the_kernel_chooses(monkeypatch):
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
+    assert 0 < free_port() < 65536
+
+
+@pytest.mark.parametrize("spec", ["31000", "31005-31000", "0-10", "a-b", "1-70000", "1-2-3"])
+def test_a_malformed_range_is_refused(spec, monkeypatch):
+    monkeypatch.setenv(PORT_RANGE_ENV, spec)
+    with pytest.raises(ValueError, match=PORT_RANGE_ENV):
+        free_port()
