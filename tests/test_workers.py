@@ -1,5 +1,5 @@
 """What lets the suite run on two pytest-xdist workers: ports no two servers
-share.
+share, models built once when two processes ask for them together.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,35 @@ def test_a_malformed_range_is_refused(spec, monkeypatch):
     monkeypatch.setenv(PORT_RANGE_ENV, spec)
     with pytest.raises(ValueError, match=PORT_RANGE_ENV):
         free_port()
+
+
+BUILD_TINY = """
+import sys, time
+from pathlib import Path
+from vllm_kvevict.evaluation.tiny_model import build_tiny_llama
+out, ready, go = map(Path, sys.argv[1:])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+print(build_tiny_llama(out, seed=3, num_hidden_layers=1, hidden_size=64, intermediate_size=64))
+"""
+
+
+def test_two_processes_asking_for_the_tiny_model_together_both_get_it(tmp_path):
+    """Two processes start building at the same moment: both get the whole
+    model (without the lock both wrote, renamed and removed the same staging
+    folder)."""
+    out, go = tmp_path / "tiny", tmp_path / "go"
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_TINY, str(out), str(flag), str(go)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for flag in ready]
+    deadline = time.monotonic() + 300
+    while not all(flag.exists() for flag in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    results = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert [stdout.strip() for stdout, _ in results] == [str(out)] * 2
+    assert (out / "model.safetensors").is_file() and (out / "kvevict_tiny.json").is_file()
+    assert not (tmp_path / "tiny.partial").exists()

