@@ -5,7 +5,22 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
+from helpers import (
+    HEAD_PAGES_SERVER_CONFIG,
+    SNAPKV_SERVER_CONFIG,
+    VllmServer,
+    eviction_server_args,
+    worker_environment,
+)
+
+# Under pytest-xdist (the README's test command runs two workers) each worker
+# binds the engines it starts to a core of its own, keeps torch to one thread
+# and takes ports from a range of its own (helpers.worker_environment). Set
+# before any test module imports torch; every process a test starts inherits it.
+for _name, _value in worker_environment(
+    os.environ.get("PYTEST_XDIST_WORKER", ""), sorted(os.sched_getaffinity(0))
+).items():
+    os.environ.setdefault(_name, _value)
 
 # Every engine this session starts (servers and offline LLMs inherit the
 # environment) runs in the isolation debug mode: blocks returned to vLLM's pool
@@ -13,7 +28,6 @@ from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, VllmServer, 
 os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
-
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:

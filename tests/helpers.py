@@ -1,6 +1,9 @@
-"""Test helpers: the evaluation tools, and the shared server's settings."""
+"""Test helpers: the evaluation tools, the shared server's settings, and what
+each pytest-xdist worker sets for the engines it starts."""
 
-from vllm_kvevict.evaluation.server import VllmServer, free_port, vllm_executable  # noqa: F401
+import os
+
+from vllm_kvevict.evaluation.server import PORT_RANGE_ENV, VllmServer, free_port, vllm_executable  # noqa: F401
 from vllm_kvevict.evaluation.tasks import needle_prompt  # noqa: F401
 
 # The shared test server's eviction settings (see configs/snapkv.yaml for why
@@ -42,3 +45,73 @@ def kvevict_samples(exposition: str) -> dict[tuple[str, tuple], float]:
                 assert key not in samples, f"series exported twice: {key}"
                 samples[key] = sample.value
     return samples
+
+
+# Each pytest-xdist worker's own ports: PORTS_PER_WORKER from PORTS_START up,
+# below the kernel's ephemeral range (from 32768 by default), where vLLM's own
+# ports come from.
+PORTS_START = 20000
+PORTS_PER_WORKER = 500
+
+
+def worker_environment(worker: str, cores: list[int]) -> dict[str, str]:
+    """The variables a pytest-xdist worker (``gw0``, ``gw1``, ...; ``""``
+    outside xdist) sets for itself and every process it starts, given the
+    machine's allowed ``cores``:
+
+    * ``VLLM_CPU_OMP_THREADS_BIND``: a core of its own (the cores in turn) for
+      every engine it starts. vLLM's CPU worker otherwise binds itself to the
+      first core, so every engine of the run would share that one;
+    * ``OMP_NUM_THREADS=1``: torch in the tests, and in engines run in a test's
+      own process (which vLLM does not bind; see ``bind_to_engine_core``),
+      keeps to one thread;
+    * ``KVEVICT_PORT_RANGE``: ports of its own (``free_port``).
+
+    Nothing outside xdist: one process then has the machine to itself.
+    """
+    if not worker.startswith("gw"):
+        return {}
+    index = int(worker[2:])
+    first = PORTS_START + index * PORTS_PER_WORKER
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)]),
+        "OMP_NUM_THREADS": "1",
+        PORT_RANGE_ENV: f"{first}-{first + PORTS_PER_WORKER - 1}",
+    }
+
+
+def engine_cores() -> set[int] | None:
+    """The cores ``VLLM_CPU_OMP_THREADS_BIND`` gives an engine of one rank
+    (this pytest-xdist worker's core); None when it names none (unset,
+    ``auto``, ``nobind``, or one list per rank)."""
+    text = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if text in ("auto", "nobind") or "|" in text:
+        return None
+    cores: set[int] = set()
+    for part in text.split(","):  # vLLM's lists: "3", "0,2", "4-7"
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def bind_to_engine_core() -> None:
+    """``preexec_fn`` of a test's subprocess whose engine vLLM does not bind to
+    the worker's core: an engine run in the subprocess itself
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM binds only the workers it starts
+    in processes of their own), or a server in an image, which the worker's
+    variables do not reach (there vLLM binds to the first core it is allowed).
+    Binds the process, and so what it starts, to ``engine_cores()``; nothing
+    when there are none."""
+    cores = engine_cores()
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
+def ranks_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``ranks`` ranks (tensor
+    parallel): a core each, from the first, when the run has the machine to
+    itself; under pytest-xdist every rank on the worker's own core, so that the
+    engine does not take the other worker's core from its engines."""
+    if engine_cores() is None:
+        return "|".join(str(core) for core in range(ranks))
+    return "|".join([os.environ["VLLM_CPU_OMP_THREADS_BIND"]] * ranks)

@@ -6,13 +6,14 @@ The server's KV pool holds 160 blocks (5,120 tokens); each prompt here is
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
 
-from helpers import SNAPKV_SERVER_CONFIG, needle_prompt
+from helpers import SNAPKV_SERVER_CONFIG, engine_cores, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -137,3 +138,19 @@ def test_greedy_output_equals_reference_decoder(snapkv_server, model_dir, tokeni
     ).generate(prompt_ids, 72)
     assert served[:32] == reference[:32]
     assert served == reference
+
+
+def test_engine_runs_on_the_workers_core(snapkv_server):
+    """Under pytest-xdist the engine's compute (vLLM's worker process, every
+    thread of it) runs on the core this worker's engines are given, not on the
+    core vLLM picks for every engine of the machine by default."""
+    import psutil
+
+    cores = engine_cores()
+    if cores is None:
+        pytest.skip("run alone: vLLM binds its engine to the cores it chooses")
+    workers = [p for p in psutil.Process(snapkv_server.process.pid).children(recursive=True)
+               if p.name().startswith("VLLM::Worker")]
+    assert len(workers) == 1, [(p.pid, p.name()) for p in workers]
+    threads = {thread.id: os.sched_getaffinity(thread.id) for thread in workers[0].threads()}
+    assert threads and all(allowed == cores for allowed in threads.values()), (cores, threads)

@@ -92,6 +92,7 @@ def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> d
 def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
+    from helpers import bind_to_engine_core
     from vllm_kvevict.evaluation.tasks import needle_prompt
     from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
 
@@ -107,7 +108,8 @@ def runs(tmp_path_factory):
     log = work / "engines.log"
     with open(log, "w") as handle:
         proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
-                              stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+                              stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S,
+                              preexec_fn=bind_to_engine_core)
     text = log.read_text()
     if proc.returncode != 0:
         tail = "\n".join(text.splitlines()[-60:])

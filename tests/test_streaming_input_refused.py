@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from helpers import bind_to_engine_core
+
 pytestmark = pytest.mark.e2e
 
 SCRIPT = """
@@ -56,6 +58,7 @@ def test_streaming_input_is_refused_and_the_engine_serves_on():
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(fetch_tiny_model())], capture_output=True, text=True,
         timeout=600, env=dict(os.environ, PYTHONSAFEPATH="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+        preexec_fn=bind_to_engine_core,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

@@ -16,7 +16,8 @@ A fourth case runs SnapKV on per-head page tables with the MomentKV correction
 pages hold only its own heads).
 
 The two engines run one after the other, each in its own process (this file,
-run as a script), because CPU tensor parallelism binds one core per rank.
+run as a script), because CPU tensor parallelism binds one core per rank
+(under pytest-xdist both ranks bind to the worker's own core).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ def _run_in_subprocess(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in this process: one import less
     )
     if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
+        from helpers import ranks_binding
+
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ranks_binding(tp)
     log = work / f"engine-tp{tp}.log"
     with open(log, "w") as handle:
         proc = subprocess.run([sys.executable, __file__, str(request)], env=env,

@@ -124,6 +124,7 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
 def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
+    from helpers import bind_to_engine_core
     from vllm_kvevict.evaluation.tasks import needle_prompt
     from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
 
@@ -147,7 +148,8 @@ def runs(tmp_path_factory):
         log = work / f"engines-{backend}.log"
         with open(log, "w") as handle:
             proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
-                                  stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+                                  stdout=handle, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S,
+                                  preexec_fn=bind_to_engine_core)
         if proc.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-60:])
             pytest.fail(f"{backend} backend engines exited with {proc.returncode}; log tail:\n{tail}")

@@ -1,5 +1,9 @@
 """What lets the suite run on two pytest-xdist workers: ports no two servers
-share, models built once when two processes ask for them together.
+share, a core of its own for each worker's engines, models built once when
+two processes ask for them together.
+
+The engines' binding itself is checked on a real server in
+``test_e2e_serve.py`` (``test_engine_runs_on_the_workers_core``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.evaluation.server import PORT_RANGE_ENV, free_port
+from helpers import (
+    PORT_RANGE_ENV,
+    PORTS_PER_WORKER,
+    bind_to_engine_core,
+    free_port,
+    ranks_binding,
+    worker_environment,
+)
 
 PRINT_PORTS = "from vllm_kvevict.evaluation.server import free_port\nprint(*(free_port() for _ in range({n})))"
 
@@ -67,6 +78,49 @@ def test_a_malformed_range_is_refused(spec, monkeypatch):
     monkeypatch.setenv(PORT_RANGE_ENV, spec)
     with pytest.raises(ValueError, match=PORT_RANGE_ENV):
         free_port()
+
+
+def test_each_worker_has_its_own_core_and_ports():
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    settings = [worker_environment(f"gw{i}", [0, 1]) for i in range(4)]
+    assert [s["VLLM_CPU_OMP_THREADS_BIND"] for s in settings] == ["0", "1", "0", "1"]
+    assert all(s["OMP_NUM_THREADS"] == "1" for s in settings)
+    ranges = [tuple(map(int, s[PORT_RANGE_ENV].split("-"))) for s in settings]
+    assert all(high - low + 1 == PORTS_PER_WORKER for low, high in ranges)
+    assert all(ranges[i][1] < ranges[i + 1][0] for i in range(3))  # disjoint
+    assert ranges[-1][1] < ephemeral_low  # none of them the kernel's to give out
+    assert worker_environment("gw1", [4, 6])["VLLM_CPU_OMP_THREADS_BIND"] == "6"
+    assert worker_environment("", [0, 1]) == {}  # one process: nothing set
+
+
+def test_this_worker_has_its_settings():
+    """conftest.py applied worker_environment to this process (under xdist)."""
+    expected = worker_environment(os.environ.get("PYTEST_XDIST_WORKER", ""), sorted(os.sched_getaffinity(0)))
+    assert {name: os.environ.get(name) for name in expected} == expected
+
+
+def _child_cores() -> list[int]:
+    out = subprocess.run([sys.executable, "-c", "import os; print(*sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, check=True, preexec_fn=bind_to_engine_core)
+    return [int(core) for core in out.stdout.split()]
+
+
+def test_in_process_engines_bind_to_the_workers_core(monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(allowed[-1]))
+    assert _child_cores() == [allowed[-1]]
+    for unbound in ("auto", "nobind", "0|1"):  # nothing for one core of this worker's
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", unbound)
+        assert _child_cores() == allowed
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert _child_cores() == allowed
+
+
+def test_tensor_parallel_ranks_stay_on_the_workers_core(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert ranks_binding(2) == "1|1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # the machine to itself: a core each
+    assert ranks_binding(2) == "0|1"
 
 
 BUILD_TINY = """
