@@ -29,6 +29,28 @@ os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
 
+# Files whose first test waits minutes on a build (the images; a virtualenv
+# from the wheel): first in the run, so that the other pytest-xdist worker's
+# files run beside the builds instead of the builds ending the run.
+BUILDS_FIRST = ("test_images.py", "test_packaging.py")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The run's order: the files of BUILDS_FIRST, then the files that start
+    engines (tests marked e2e), then the rest; a file's tests stay together in
+    their order. Under ``--dist loadfile --no-loadscope-reorder`` (the README's
+    test command) xdist hands files to the workers in this order."""
+    engines = {item.path for item in items if item.get_closest_marker("e2e")}
+
+    def rank(item: pytest.Item) -> int:
+        if item.path.name in BUILDS_FIRST:
+            return BUILDS_FIRST.index(item.path.name)
+        return len(BUILDS_FIRST) + (item.path not in engines)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from vllm_kvevict.default_model import fetch_default_model
