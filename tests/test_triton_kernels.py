@@ -335,6 +335,13 @@ ATTENTION_CASES = {
     "decode-g4-d128-bf16-no-covariance-summary": (
         2, 4, 128, 32, torch.bfloat16, [(1, 32, 35), (1, 10, 75)], "random-none", False, 70, 1,
     ),
+    # The tiny test model's shape (D 32, two query heads per KV head, fp32 blocks of 32).
+    "decode-g2-d32-ps32-fp32-summary-strided": (
+        4, 2, 32, 32, torch.float32, [(1, 40, 75), (1, 0, 33), (1, 128, 160), (1, 7, 300)], "random", True, 128, 1,
+    ),
+    "prefill-g2-d32-ps32-fp32-summary-splits": (
+        4, 2, 32, 32, torch.float32, [(40, 96, 200), (1, 128, 129), (17, 3, 60)], "random", True, 128, 3,
+    ),
 }
 
 
@@ -620,6 +627,7 @@ COMPACTION_CASES = {
     "bf16-d64-ps16-summary-strided": (2, 64, 16, torch.bfloat16, [[100, 37], [48, 64]], "random", True),
     "fp32-d64-ps16-diagonal-summary": (3, 64, 16, torch.float32, [[40, 17, 70], [16, 50, 8]], "random-diagonal", False),
     "fp32-d128-ps32-no-covariance-summary": (2, 128, 32, torch.float32, [[70, 33], [5, 64]], "random-none", True),
+    "fp32-d32-ps32-summary-strided": (4, 32, 32, torch.float32, [[200, 17, 90, 33], [64, 0, 129, 31]], "random", True),
 }
 
 
