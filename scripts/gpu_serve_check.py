@@ -14,7 +14,11 @@ tokens) and several times while decoding:
 * ``momentkv``: MomentKV (moment correction on, adaptive head budgets);
 * ``learned``: learned global eviction (``head_budget: global``) with
   retention gates drawn from a seeded generator for the tiny model (the
-  gates shipped in the package are the default model's).
+  gates shipped in the package are the default model's);
+* ``prefix``: MomentKV's setting with ``prefix_caching: shared``: three
+  requests one after another, the second sharing the first's first 512
+  tokens (its protected prefix), the third the first again (not recorded:
+  checks (b) to (d)).
 
 Checks, per setting:
 
@@ -31,6 +35,20 @@ Checks, per setting:
     blocks freed by eviction, every request freeing during prefill and during
     decode, and all blocks back in the pool at the end.
 
+(d) ``prefix``: the second and third requests found the 512 shared tokens in
+    vLLM's prefix cache (``num_cached_tokens``) and the third repeats the
+    first's tokens (no compaction wrote into the cached prefix).
+(e) with ``--http``, each setting is served by ``vllm serve`` instead
+    (OpenAI completions, the prompts at once, log-probabilities from the
+    API), then, on the first setting's server: a chat completion, a request
+    with its own budget (``vllm_xargs: {"kv_eviction_budget": 64}``, traced
+    with that budget), one over the server's budget refused with a 400 that
+    names the budget, ``/metrics`` counting freed blocks, evictions and the
+    Triton kernel, and every block back in the pool after.
+
+``--jobs N`` runs N settings' engines at once (one GPU is shared: pass
+``--gpu-memory-utilization`` small enough for all of them).
+
 Modes::
 
     # on a machine with vLLM's CPU build: record the reference
@@ -44,9 +62,11 @@ The tiny model (``vllm_kvevict.evaluation.tiny_model``) is built from a seeded
 generator and the default model's tokenizer files: ``--tokenizer-dir`` names
 a folder holding them (default: the default model's folder, which
 ``kvevict fetch-model`` converts); ``--model DIR`` serves a model folder as
-is instead (a tiny model built elsewhere). The hashes of the weights and of the
-learned policy's gates are recorded and checked: tokens of another model are
-never compared (the run fails check (a) and still makes checks (b) and (c)).
+is instead (a tiny model built elsewhere). The weights and the learned
+policy's gates are recorded (their bytes' hash, and a fingerprint of their
+values that the last-bit differences between CPUs drawing the same seed
+leave equal) and checked: tokens of another model are never compared (the
+run fails check (a) and still makes checks (b) and (c)).
 
 The attention backend is the plugin's choice (``attention_kernel`` auto:
 vLLM's CPU backend with the native C++ kernels on CPU, the Triton backend on
@@ -70,7 +90,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMAT = 1
+FORMAT = 2
+FINGERPRINT_VALUES = 32
+FINGERPRINT_RTOL = 1e-4
 BLOCK_SIZE = 32
 POOL_BLOCKS = 256
 MAX_TOKENS = 80
@@ -95,7 +117,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
     "momentkv": {"policy": "momentkv", **COMMON, "head_budget": "adaptive", "moment_correction": True},
     "learned": {"policy": "learned", **COMMON, "policy_options": {"gates": GATES_PLACEHOLDER}},
+    "prefix": {"policy": "momentkv", **COMMON, "head_budget": "adaptive", "moment_correction": True,
+               "prefix_caching": "shared", "max_protected_prefix_tokens": 512},
 }
+PREFIX_TOKENS = 512  # the shared prefix of the ``prefix`` setting's requests: 16 whole blocks
+REQUEST_BUDGET = 64  # --http: one request's own budget
 STATS_ENV = "KVEVICT_STATS_PATH"  # vllm_kvevict.vllm_glue.snapshot.STATS_PATH_ENV
 POISON_ENV = "KVEVICT_POISON_FREED_BLOCKS"  # vllm_kvevict.config.POISON_ENV
 
@@ -118,13 +144,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-kernel", choices=["auto", "native", "torch", "triton"],
                         help="set attention_kernel in every setting (default: left to the plugin, auto)")
     parser.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (default: compiled)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="vLLM's start-up share of GPU memory (engines beside each other on one GPU each ask "
+                             "for theirs; the KV pool is set in bytes either way)")
     parser.add_argument("--tie-margin", type=float, default=0.01,
                         help="recorded top-1/top-2 log-probability gap below which a divergence is a near tie")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting's engine")
+    parser.add_argument("--http", action="store_true", help="serve each setting with `vllm serve` (check (e))")
+    parser.add_argument("--jobs", type=int, default=1, help="settings whose engines run at once")
     return parser.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- model and gates
+
+
+def load_tensors(folder: Path, pattern: str) -> dict[str, Any]:
+    import torch
+
+    state = {}
+    for path in sorted(folder.glob(pattern)):
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(path)))
+        else:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+    return state
 
 
 def tensors_sha256(folder: Path, pattern: str) -> str:
@@ -133,18 +178,45 @@ def tensors_sha256(folder: Path, pattern: str) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for path in sorted(folder.glob(pattern)):
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        for name in sorted(state):
-            tensor = state[name].contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    state = load_tensors(folder, pattern)
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def tensors_fingerprint(folder: Path, pattern: str) -> dict[str, list]:
+    """Per tensor: dtype, shape and ``FINGERPRINT_VALUES`` of its values,
+    evenly spaced. The same seed draws the same weights up to the last bits
+    of each value on any CPU (torch's vectorised normal draws round
+    differently per instruction set: scalar and AVX2 differ by up to 2e-6
+    on unit normals), which the bytes' hash tells apart;
+    these values agree to ``FINGERPRINT_RTOL`` of the largest of them,
+    another seed's do not."""
+    import torch
+
+    state = load_tensors(folder, pattern)
+    out = {}
+    for name in sorted(state):
+        flat = state[name].reshape(-1).double()
+        index = torch.linspace(0, max(flat.numel() - 1, 0), min(FINGERPRINT_VALUES, flat.numel())).long()
+        out[name] = [str(state[name].dtype), list(state[name].shape), flat[index].tolist()]
+    return out
+
+
+def same_tensors(got: dict[str, list], want: dict[str, list]) -> bool:
+    """Whether two fingerprints name the same tensors (see ``tensors_fingerprint``)."""
+    if got.keys() != want.keys():
+        return False
+    for name, (dtype, shape, values) in want.items():
+        got_dtype, got_shape, got_values = got[name]
+        if (got_dtype, got_shape, len(got_values)) != (dtype, shape, len(values)):
+            return False
+        scale = max((abs(v) for v in values), default=0.0)
+        if any(abs(a - b) > FINGERPRINT_RTOL * scale for a, b in zip(got_values, values)):
+            return False
+    return True
 
 
 def tokenizer_dir(args: argparse.Namespace) -> Path:
@@ -193,12 +265,16 @@ def run_engine(request: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=request["enforce_eager"],
         kv_cache_memory_bytes=POOL_BLOCKS * page_bytes + 4096,
         additional_config={"kv_eviction": request["kv_eviction"]},
+        **({"gpu_memory_utilization": request["gpu_memory_utilization"]}
+           if request.get("gpu_memory_utilization") else {}),
     )
     started = time.monotonic()
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in request["prompts"]],
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2),
-    )
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+    if request["one_at_a_time"]:  # each finds what the ones before it left in the prefix cache
+        outputs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in prompts]
+    else:
+        outputs = llm.generate(prompts, greedy)
     generated = time.monotonic()
     time.sleep(1.0)  # the workers publish once they have seen the requests finish
     llm.llm_engine.engine_core.shutdown()
@@ -219,6 +295,7 @@ def run_engine(request: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "logprobs": logprobs,
         "top2_gaps": gaps,
+        "cached_tokens": [out.num_cached_tokens or 0 for out in outputs],
         "stats": json.loads(stats_path.read_text()) if stats_path.is_file() else None,
         "worker_stats": json.loads(worker_path.read_text()) if worker_path.is_file() else None,
         "startup_s": started - start,
@@ -265,10 +342,125 @@ def run_setting(name: str, request: dict[str, Any], work: Path, timeout: float) 
     return result
 
 
+def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, extras: bool) -> dict[str, Any]:
+    """One setting served by `vllm serve`: the prompts at once through the
+    completions API, then (``extras``) check (e)'s requests; the result has
+    ``run_engine``'s fields and ``http_failures``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from vllm_kvevict.evaluation.server import VllmServer
+
+    setting = request["kv_eviction"]
+    args = ["--kv-eviction", setting["policy"], "--kv-eviction-config", json.dumps(setting),
+            "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
+            "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--seed", str(ENGINE["seed"]),
+            "--kv-cache-memory-bytes", str(POOL_BLOCKS * request["page_bytes"] + 4096)]
+    if request["enforce_eager"]:
+        args.append("--enforce-eager")
+    if request.get("gpu_memory_utilization"):
+        args += ["--gpu-memory-utilization", str(request["gpu_memory_utilization"])]
+    os.environ[POISON_ENV] = "1"
+    stats_path, log_path = work / f"stats-{name}-http.json", work / f"engine-{name}-http.log"
+    stats_path.unlink(missing_ok=True)
+    start = time.monotonic()
+    server = VllmServer(request["model"], args, stats_path=stats_path, log_path=log_path)
+    try:
+        server.wait_ready(timeout)
+        started = time.monotonic()
+
+        def complete(prompt: list[int], extra: dict | None = None, max_tokens: int = MAX_TOKENS):
+            body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 2, "return_token_ids": True, **(extra or {})}
+            return requests.post(server.url + "/v1/completions", json=body, timeout=timeout)
+
+        with ThreadPoolExecutor(len(request["prompts"])) as pool:
+            replies = list(pool.map(complete, request["prompts"]))
+        generated = time.monotonic()
+        tokens, logprobs, gaps, failures = [], [], [], []
+        for i, reply in enumerate(replies):
+            if reply.status_code != 200:
+                return {"error": f"request {i}: HTTP {reply.status_code}: {reply.text[:300]}"}
+            choice = reply.json()["choices"][0]
+            tokens.append(list(choice["token_ids"]))
+            logprobs.append(list(choice["logprobs"]["token_logprobs"]))
+            ranked = [sorted(top.values(), reverse=True) for top in choice["logprobs"]["top_logprobs"]]
+            gaps.append([r[0] - r[1] if len(r) > 1 else float("inf") for r in ranked])
+        if extras:
+            failures = http_extras(server, request, complete)
+        stats, workers = server.wait_idle(timeout=60)
+        return {"tokens": tokens, "logprobs": logprobs, "top2_gaps": gaps, "stats": stats,
+                "worker_stats": workers[0], "startup_s": started - start, "generate_s": generated - started,
+                "http_failures": failures}
+    except Exception as exc:  # noqa: BLE001 - the run's failure is its result
+        return {"error": f"vllm serve: {type(exc).__name__}: {str(exc)[-2000:]}"}
+    finally:
+        server.stop()
+
+
+def http_extras(server: Any, request: dict[str, Any], complete: Any) -> list[str]:
+    """Check (e) beyond the completions: chat, a request's own budget, one
+    refused, /metrics. The failures, one line each."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    failures = []
+    budget = request["kv_eviction"]["budget"]
+    text = " ".join(f"Ledger {i} is filed under code {i * 7919 % 10007}." for i in range(160))
+    reply = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": text + " Which code files ledger 42?"}],
+        "max_tokens": 24, "temperature": 0})
+    if reply.status_code != 200:
+        failures.append(f"(e) chat: HTTP {reply.status_code}: {reply.text[:200]}")
+    else:
+        body = reply.json()
+        if not isinstance(body["choices"][0]["message"]["content"], str) or body["usage"]["prompt_tokens"] <= budget:
+            failures.append(f"(e) chat: unexpected reply {str(body)[:200]}")
+    prompt = request["prompts"][2]
+    reply = complete(prompt, {"vllm_xargs": {"kv_eviction_budget": REQUEST_BUDGET}}, max_tokens=40)
+    if reply.status_code != 200:
+        failures.append(f"(e) own budget {REQUEST_BUDGET}: HTTP {reply.status_code}: {reply.text[:200]}")
+    else:
+        traces = [t for t in server.stats().get("recent_requests", [])
+                  if t["prompt_len"] == len(prompt) and t["budget"] == REQUEST_BUDGET]
+        if not traces or not traces[-1]["free_points"]:
+            failures.append(f"(e) no trace of a {len(prompt)}-token request with budget {REQUEST_BUDGET} that freed "
+                            "blocks")
+    reply = complete(prompt, {"vllm_xargs": {"kv_eviction_budget": 100 * budget}}, max_tokens=4)
+    if reply.status_code != 400 or "budget" not in reply.text:
+        failures.append(f"(e) a budget over the server's: HTTP {reply.status_code} ({reply.text[:200]}), expected 400 "
+                        "naming the budget")
+    samples = {}
+    for family in text_string_to_metric_families(requests.get(server.url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name.startswith("kvevict_"):
+                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    for name in ("kvevict_blocks_freed_total", "kvevict_eviction_events_total"):
+        if not sum(v for _, v in samples.get(name, [])) > 0:
+            failures.append(f"(e) /metrics: {name} is not above 0")
+    kernels = [labels.get("kernel") for labels, value in samples.get("kvevict_attention_kernel", []) if value == 1]
+    want = "triton" if _cuda_available() else None
+    if not kernels or (want and kernels != [want]):
+        failures.append(f"(e) /metrics: kvevict_attention_kernel says {kernels}, expected {[want] if want else 'one'}")
+    return failures
+
+
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def setting_prompts(name: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The requests of a setting: the common prompts, or for ``prefix`` three
+    requests on one 512-token prefix (the longest prompt's start): two
+    documents after it, then the first again."""
+    if name != "prefix":
+        return prompts
+    prefix = prompts[-1][:PREFIX_TOKENS]
+    return [prefix + prompts[1], prefix + prompts[2], prefix + prompts[1]]
 
 
 # --------------------------------------------------------------------------- checks
@@ -308,6 +500,24 @@ def check_run(result: dict[str, Any], prompt_lens: list[int]) -> list[str]:
         elif not any(p <= n for p in points) or not any(p > n for p in points):
             failures.append(f"(c) the {n}-token request did not free both in prefill and in decode: {points}")
     return failures
+
+
+def check_prefix(result: dict[str, Any]) -> list[str]:
+    """Check (d) on the ``prefix`` setting's run."""
+    if "error" in result:
+        return []
+    failures = []
+    if result["cached_tokens"][1:] != [PREFIX_TOKENS, PREFIX_TOKENS]:
+        failures.append(f"(d) prefix-cache hits {result['cached_tokens']}, expected [any, {PREFIX_TOKENS}, "
+                        f"{PREFIX_TOKENS}]")
+    if result["tokens"][2] != result["tokens"][0]:
+        failures.append("(d) the repeated request's tokens differ from the first's")
+    return failures
+
+
+def reference_free(reference: dict[str, Any] | None) -> set[str]:
+    """Settings checked without recorded tokens (their own checks instead)."""
+    return {"prefix"} - set((reference or {}).get("results", {}))
 
 
 def free_points(result: dict[str, Any]) -> dict[str, list[int]]:
@@ -380,24 +590,26 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((model / "config.json").read_text())
     page_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
     weights = tensors_sha256(model, "*.safetensors")
+    weights_fingerprint = tensors_fingerprint(model, "*.safetensors")
     gates = build_gates(model, work / "tiny-gates") if "learned" in names else None
     gates_hash = tensors_sha256(gates, "gates.pt") if gates else None
+    gates_fingerprint = tensors_fingerprint(gates, "gates.pt") if gates else None
     # Settings whose tokens cannot be compared: another model (or gates) than
     # the recorded one. Checks (b) and (c) still run.
     not_comparable: dict[str, str] = {}
     if reference is not None:
-        if reference["model"]["weights_sha256"] != weights:
+        if not same_tensors(weights_fingerprint, reference["model"]["weights_fingerprint"]):
             why = (f"the model in {model} is not the recorded one (weights {weights[:16]}..., recorded "
                    f"{reference['model']['weights_sha256'][:16]}...)")
             not_comparable = dict.fromkeys(names, why)
             print(f"gpu_serve_check: {why}: tokens are not compared", flush=True)
-        elif gates_hash and reference["gates"]["sha256"] != gates_hash:
+        elif gates_fingerprint and not same_tensors(gates_fingerprint, reference["gates"]["fingerprint"]):
             not_comparable["learned"] = "the gates drawn here are not the recorded ones"
             print("gpu_serve_check: the gates drawn here are not the recorded ones: learned's tokens are not compared")
         prompts = reference["prompts"]
-        missing = [n for n in names if n not in reference["results"]]
-        if missing:
-            raise SystemExit(f"gpu_serve_check: {args.expect} has no results for {missing}")
+        for name in names:
+            if name not in reference["results"]:
+                not_comparable.setdefault(name, f"{args.expect} has no tokens recorded for it")
         recorded_engine, recorded_tokens = reference["engine"], reference["sampling"]["max_tokens"]
         if recorded_engine != {**ENGINE, "pool_blocks": POOL_BLOCKS} or recorded_tokens != MAX_TOKENS:
             raise SystemExit(f"gpu_serve_check: {args.expect} was recorded with other engine settings; record it again")
@@ -415,24 +627,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model} (weights {weights[:16]}...), prompts of {prompt_lens} tokens, "
           f"{MAX_TOKENS} greedy tokens each, {'eager' if args.enforce_eager else 'compiled'}\n", flush=True)
 
-    results, settings, verdicts = {}, {}, {}
+    settings, requests = {}, {}
     for name in names:
         # Compared runs use the recorded settings, whatever this file says now.
-        setting = copy.deepcopy(reference["settings"][name] if reference is not None else SETTINGS[name])
+        recorded = reference is not None and name in reference["settings"]
+        setting = copy.deepcopy(reference["settings"][name] if recorded else SETTINGS[name])
         if args.attention_kernel:
             setting["attention_kernel"] = args.attention_kernel
         settings[name] = copy.deepcopy(setting)
         if name == "learned":
             setting["policy_options"]["gates"] = str(gates)
-        request = {"model": str(model), "prompts": prompts, "kv_eviction": setting,
-                   "enforce_eager": args.enforce_eager, "page_bytes": page_bytes}
-        print(f"[{name}] {json.dumps(settings[name])}", flush=True)
-        result = run_setting(name, request, work, args.timeout)
-        results[name] = result
-        failures = check_run(result, prompt_lens)
+        requests[name] = {"model": str(model), "prompts": setting_prompts(name, prompts), "kv_eviction": setting,
+                          "enforce_eager": args.enforce_eager, "page_bytes": page_bytes,
+                          "gpu_memory_utilization": args.gpu_memory_utilization,
+                          "one_at_a_time": name == "prefix"}
+
+    def run(name: str) -> dict[str, Any]:
+        if args.http:
+            return run_http(name, requests[name], work, args.timeout, extras=name == names[0])
+        return run_setting(name, requests[name], work, args.timeout)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = dict(zip(names, pool.map(run, names)))
+    verdicts = {}
+    for name in names:
+        result = results[name]
+        print(f"[{name}]{' (vllm serve)' if args.http else ''} {json.dumps(settings[name])}", flush=True)
+        failures = check_run(result, [len(p) for p in requests[name]["prompts"]])
+        if name == "prefix":
+            failures += check_prefix(result)
+        failures += result.get("http_failures", [])
         notes = []
         if name in not_comparable:
-            failures.append(f"(a) not compared: {not_comparable[name]}")
+            notes.append(f"(a) not compared: {not_comparable[name]}")
+            if name not in reference_free(reference):
+                failures.append(notes.pop())
         elif reference is not None:
             more, notes = compare(name, result, reference["results"][name], args.tie_margin)
             failures += more
@@ -457,15 +688,15 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"builder": "vllm_kvevict.evaluation.tiny_model.build_tiny_llama", "seed": TINY_SEED,
                   "config": {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim", "vocab_size")},
-                  "weights_sha256": weights},
-        "gates": {"seed": GATES_SEED, "sha256": gates_hash},
+                  "weights_sha256": weights, "weights_fingerprint": weights_fingerprint},
+        "gates": {"seed": GATES_SEED, "sha256": gates_hash, "fingerprint": gates_fingerprint},
         "engine": {**ENGINE, "pool_blocks": POOL_BLOCKS},
         "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2},
         "prompts": prompts,
         "settings": settings,
         "results": {
             name: {k: r[k] for k in ("tokens", "logprobs", "top2_gaps")} | {"free_points": free_points(r)}
-            for name, r in results.items() if "error" not in r
+            for name, r in results.items() if "error" not in r and name not in reference_free(None)
         },
     }
     passed = all(v["passed"] for v in verdicts.values())
