@@ -12,7 +12,7 @@ Triton (no package registry needed). Two stages:
 
 Stage 1 (no vLLM):
   env        nvidia-smi, torch / triton / CUDA versions, glibc, pip freeze
-             (env.txt; its freeze feeds prepare_gpu_payload.sh --image-packages)
+             (env.txt; its freeze feeds gpu_payload.py build --image-packages)
   tests      tests/test_triton_kernels.py with TRITON_INTERPRET unset: the
              compiled kernels on the GPU (test_kernel_mode fails otherwise)
   bench      benchmarks/kernel_bench.py: target 1, decode attention at B=16,
@@ -23,64 +23,77 @@ Stage 1 (no vLLM):
              PyTorch's caching allocator off so every tensor is its own
              allocation: the named cases (attention, compaction, vLLM's views;
              not the sweeps) by default, all of them with --sanitizer full
-Stage 2 (vLLM):
-  payload    with --payload DIR: the parts checked against DIR/MANIFEST
-             (sha256 and size), reassembled, checked again, unpacked; a venv
-             (--system-site-packages, and the interpreter's own site folders,
-             so the machine's torch and triton are the ones used) gets the
-             wheels with pip install --no-index --no-deps; pip check's report
-             is kept
-  import     'import vllm._C_stable_libtorch' (and vllm._C where the build has
-             it): vLLM's compiled ops on this machine's torch. If they cannot
-             load, stage 2 stops here and says so
-  serve      scripts/gpu_serve_check.py --expect benchmarks/gpu_reference_tokens.json:
-             the tiny model served with eviction (SnapKV, AdaKV+SnapKV,
-             MomentKV, learned), greedy tokens against the recorded CPU run, no
-             NaN with freed blocks poisoned, blocks returned to the pool
+Stage 2 (vLLM, from the GPU payload of scripts/gpu_payload.py build):
+  payload    the payload checked against its MANIFEST.json (sha256, size, and
+             the recipe: a stale or missing payload is one line naming the
+             fix) and unpacked into --work (no pip, no registry); with
+             --original-c, vLLM's uncut compiled ops put in place
+  ops        scripts/gpu_ops_check.py: the vLLM ops a Llama runs (rms_norm,
+             fused_add_rms_norm, silu_and_mul, rotary_embedding,
+             reshape_and_cache_flash) against torch, and the plugin's gate;
+             stage 2 stops here if they fail
+  kernels    the kernel tests at the tiny model's shape (head_dim 32, fp32),
+             compiled, beside the serve checks
+  serve      side by side: scripts/gpu_serve_check.py over the tiny random
+             model (SnapKV slots, AdaKV+SnapKV, MomentKV, learned, prefix
+             caching with MomentKV) compiled with piecewise CUDA graphs, the
+             same eager, and MomentKV through `vllm serve` (check (e));
+             greedy tokens against the CPU recording, poison mode, blocks
+             returned to the pool
+  throughput benchmarks/gpu_throughput.py: the full cache against SnapKV and
+             MomentKV at 25% kept on a random model of Llama-3.2-1B's shape;
+             its engines start with the serve checks, its timed runs follow
+             them, one at a time
 
-Results (at most 8 files, in --results DIR): summary.md, env.txt,
-kernel-tests.txt, kernel-bench.md, sanitizer.txt, stage2.txt, serve-check.txt,
-serve-check.json. Exit status: 0 when every step run passed, 1 otherwise,
-2 when no NVIDIA GPU is usable.
+Results (in --results DIR): summary.md; stage 1: env.txt, kernel-tests.txt,
+kernel-bench.md, sanitizer.txt; stage 2: stage2.txt, serve-check.txt,
+serve-check.json, throughput.md, throughput.json, logs.tar.gz (the engines'
+logs). Exit status: 0 when every step run passed, 1 otherwise, 2 when no
+NVIDIA GPU is usable.
 
 Options:
   --stage 1|2|all      which stages (default all)
   --results DIR        default gpu-check-results
-  --payload DIR        the parts and MANIFEST from prepare_gpu_payload.sh
-                       (e.g. build/gpu-payload/parts); without it stage 2 uses
-                       the venv of an earlier install (--venv), else --python
-  --venv DIR           where the payload is installed
-                       (default ${TMPDIR:-/tmp}/kvevict-gpu-check/venv)
-  --work DIR           scratch: the reassembled payload, the tiny model, the
-                       engines' logs (default ${TMPDIR:-/tmp}/kvevict-gpu-check/work)
+  --payload DIR        the payload's folder (default build/gpu-payload)
+  --original-c DIR     the uncut compiled ops (build/gpu-payload-original-c):
+                       the fallback when the cut ones fail; with a payload
+                       unpacked by a run just before (the machine keeps --work
+                       while warm), DIR may travel without the payload
+  --work DIR           scratch: the unpacked payload, the models, the engines'
+                       logs (default ${TMPDIR:-/tmp}/kvevict-gpu-check)
   --python PY          the interpreter holding torch and triton (default python3)
   --plugin tree|payload  the plugin code stage 2 serves: this working tree's
                        (default) or the wheel in the payload
   --sanitizer subset|full|off   default subset
   --skip LIST          steps to leave out, comma-separated: tests, bench,
-                       sanitizer, serve (e.g. to keep one run under a time limit)
-  --settings LIST      gpu_serve_check.py's settings (default: all four)
+                       sanitizer (stage 1), kernels, serve, http, throughput
+                       (stage 2)
+  --settings LIST      gpu_serve_check.py's offline settings (default: all five)
+  --job-timeout S      seconds each stage-2 check may run (default 420; the
+                       throughput benchmark, whose timed runs follow them,
+                       half as long again)
   -h, --help           this text
 EOF
 }
 
 STAGES="all"
 RESULTS="gpu-check-results"
-PAYLOAD=""
-SCRATCH="${TMPDIR:-/tmp}/kvevict-gpu-check"
-VENV="$SCRATCH/venv"
-WORK="$SCRATCH/work"
+PAYLOAD="build/gpu-payload"
+ORIGINAL_C=""
+WORK="${TMPDIR:-/tmp}/kvevict-gpu-check"
+JOB_TIMEOUT=420
 PY="python3"
 PLUGIN="tree"
 SANITIZER="subset"
-SETTINGS=""
+SETTINGS="snapkv,adakv_snapkv,momentkv,learned,prefix"
 SKIP=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --stage) STAGES="$2"; shift 2 ;;
         --results) RESULTS="$2"; shift 2 ;;
         --payload) PAYLOAD="$2"; shift 2 ;;
-        --venv) VENV="$2"; shift 2 ;;
+        --original-c) ORIGINAL_C="$2"; shift 2 ;;
+        --job-timeout) JOB_TIMEOUT="$2"; shift 2 ;;
         --work) WORK="$2"; shift 2 ;;
         --python) PY="$2"; shift 2 ;;
         --plugin) PLUGIN="$2"; shift 2 ;;
@@ -137,6 +150,7 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"
     echo "[stage $1] $2: $3${4:+ ($4)}"
     case "$3" in passed|done|skipped) ;; *) FAILED=1 ;; esac
+    write_summary  # after every step: a run cut short keeps what it did
 }
 
 write_summary() {
@@ -268,123 +282,140 @@ run_stage1() {
     skipping sanitizer 1 || stage1_sanitizer
 }
 
-install_payload() {
-    # Verify, reassemble, unpack, install into $VENV. Returns non-zero on failure.
-    local manifest="$PAYLOAD/MANIFEST" sha size name tar="$WORK/payload.tar.gz"
-    [ -f "$manifest" ] || { echo "no MANIFEST in $PAYLOAD"; return 1; }
-    local parts=()
-    while read -r sha size name; do
-        case "$sha" in \#*|"") continue ;; esac
-        case "$name" in
-            *.part-*)
-                [ -f "$PAYLOAD/$name" ] || { echo "missing part $name in $PAYLOAD"; return 1; }
-                [ "$(stat -c %s "$PAYLOAD/$name")" = "$size" ] || { echo "$name: size differs from MANIFEST"; return 1; }
-                [ "$(sha256sum "$PAYLOAD/$name" | cut -d' ' -f1)" = "$sha" ] || { echo "$name: sha256 differs from MANIFEST"; return 1; }
-                parts+=("$PAYLOAD/$name") ;;
-            *) TAR_SHA="$sha"; TAR_SIZE="$size" ;;
-        esac
-    done < "$manifest"
-    echo "${#parts[@]} parts match MANIFEST"
-    if [ -f "$VENV/.kvevict-payload" ] && [ "$(cat "$VENV/.kvevict-payload")" = "$TAR_SHA" ]; then
-        echo "this payload is installed in $VENV already"
-        return 0
+# Stage 2's environment: vLLM's CUDA build from the unpacked payload, the
+# working tree's plugin (or the payload's) on top, the kernel libraries this
+# payload leaves out kept out of vLLM's way.
+stage2_env() {
+    local site="$WORK/payload/site"
+    export PYTHONPATH="$site"
+    [ "$PLUGIN" = tree ] && export PYTHONPATH="$SITE:$site"
+    export PATH="$site/bin:$PATH" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+    export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TORCHINDUCTOR_COMPILE_THREADS=2
+    unset TRITON_INTERPRET
+}
+
+# Unpack (or reuse) the payload; with --original-c, put the uncut compiled ops in place.
+stage2_payload() {
+    local out="$RESULTS/stage2.txt" args=(unpack "$WORK/payload" --payload "$PAYLOAD")
+    [ -n "$ORIGINAL_C" ] && args+=(--original-c "$ORIGINAL_C")
+    if "$PY" scripts/gpu_payload.py "${args[@]}" >> "$out" 2>&1; then
+        step 2 payload passed "$(tail -1 "$out")"
+    else
+        step 2 payload failed "$(tail -1 "$out")"
+        return 1
     fi
-    cat "${parts[@]}" > "$tar"
-    [ "$(stat -c %s "$tar")" = "$TAR_SIZE" ] && [ "$(sha256sum "$tar" | cut -d' ' -f1)" = "$TAR_SHA" ] \
-        || { echo "the reassembled payload's sha256 or size differs from MANIFEST"; return 1; }
-    echo "reassembled payload matches MANIFEST ($TAR_SIZE bytes)"
-    rm -rf "$WORK/payload" && mkdir -p "$WORK/payload" && tar -xzf "$tar" -C "$WORK/payload" && rm -f "$tar" || return 1
-    cat "$WORK/payload/PAYLOAD.txt"
-    rm -rf "$VENV"
-    # --system-site-packages reaches the base interpreter's folders only; when
-    # $PY is itself a venv's (the image's torch lives in one), a .pth adds its
-    # site folders, after the new venv's own.
-    "$PY" -m venv --system-site-packages --without-pip "$VENV" || return 1
-    local site
-    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
-    "$PY" -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
-        > "$site/_kvevict_base_site.pth" || return 1
-    "$PY" -m pip install --quiet --no-index --no-deps --upgrade --target "$site" "$WORK/payload"/wheels/*.whl || return 1
-    echo "$TAR_SHA" > "$VENV/.kvevict-payload"
-    echo "installed $(find "$WORK/payload/wheels" -name "*.whl" | wc -l) wheels into $VENV"
+}
+
+# vLLM's compiled ops against torch, and the plugin's gate: nothing else runs if they fail.
+stage2_ops() {
+    local out="$RESULTS/stage2.txt" json="$WORK/ops.json" gate
+    { echo; echo "## vLLM's ops against torch"; } >> "$out"
+    if ! "$PY" scripts/gpu_ops_check.py --json "$json" >> "$out" 2>&1; then
+        step 2 "vLLM's compiled ops" failed "$(tail -1 "$out"); if the cut ops fail, rerun with the uncut ones (README: Running on a GPU)"
+        return 1
+    fi
+    step 2 "vLLM's compiled ops" passed "$(tail -1 "$out" | sed 's/^gpu_ops_check: //')"
+    gate="$("$PY" -c 'import vllm, vllm_kvevict; from vllm_kvevict.vllm_glue import compat; print(f"vLLM {vllm.__version__}; plugin from {vllm_kvevict.__file__}; gate: {compat.unsupported_reason() or \"open\"}")' 2>&1 | tail -1)"
+    echo "$gate" >> "$out"
+    case "$gate" in
+        *"gate: open") step 2 "plugin gate" passed "$gate" ;;
+        *) step 2 "plugin gate" failed "$gate"; return 1 ;;
+    esac
+}
+
+# The serve checks (compiled, eager, vllm serve) side by side, then the
+# throughput benchmark's timed runs alone on the GPU (its engines start with
+# the checks). Each job's output is kept; the summary gets one row per job.
+stage2_serve() {
+    local model="$WORK/tiny-model" tokenizer="$WORK/payload/tokenizer" done="$WORK/checks-done"
+    local common=(--expect benchmarks/gpu_reference_tokens.json --model "$model" --timeout "$JOB_TIMEOUT"
+                  --gpu-memory-utilization 0.02)
+    rm -f "$done" "$WORK"/serve-check-*.json "$WORK"/job-*.txt "$WORK"/serve-*/serve-check.json
+    if ! "$PY" -c 'import sys; from vllm_kvevict.evaluation.tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[1], 0, tokenizer_dir=sys.argv[2])' \
+            "$model" "$tokenizer" >> "$RESULTS/stage2.txt" 2>&1; then
+        step 2 "tiny model" failed "$(tail -1 "$RESULTS/stage2.txt")"
+        return
+    fi
+    local pids=() names=()
+    launch() {  # launch NAME COMMAND...: in the background, output in $WORK/job-NAME.txt
+        local name=$1; shift
+        timeout "$JOB_TIMEOUT" "$@" > "$WORK/job-$name.txt" 2>&1 &
+        pids+=($!); names+=("$name")
+    }
+    skipping serve 2 || {
+        launch compiled "$PY" scripts/gpu_serve_check.py "${common[@]}" --settings "$SETTINGS" \
+            --jobs 8 --work "$WORK/serve-compiled"
+        launch eager "$PY" scripts/gpu_serve_check.py "${common[@]}" --settings "$SETTINGS" --enforce-eager \
+            --jobs 8 --work "$WORK/serve-eager"
+    }
+    skipping http 2 || launch http "$PY" scripts/gpu_serve_check.py "${common[@]}" --settings momentkv --http \
+        --work "$WORK/serve-http"
+    # The kernels compiled at the tiny model's shape (head_dim 32, fp32), beside the engines that run them.
+    local kernels_pid=""
+    if ! skipping kernels 2; then
+        timeout "$JOB_TIMEOUT" "$PY" -m pytest tests/test_triton_kernels.py -q -rs -p no:cacheprovider --noconftest \
+            -k "d32" > "$WORK/job-kernels.txt" 2>&1 &
+        kernels_pid=$!
+    fi
+    local bench_pid=""
+    if ! skipping throughput 2; then
+        # Its timed runs follow the checks: half as long again, and it stops
+        # itself first, so what it measured is written.
+        local bench_timeout=$((JOB_TIMEOUT * 3 / 2))
+        timeout "$bench_timeout" "$PY" benchmarks/gpu_throughput.py --tokenizer-dir "$tokenizer" --work "$WORK/throughput" \
+            --json "$RESULTS/throughput.json" --wait-for "$done" --timeout "$((bench_timeout - 20))" \
+            > "$RESULTS/throughput.md" 2>&1 &
+        bench_pid=$!
+    fi
+    local i rc last
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        rc=$?
+        cat "$WORK/job-${names[$i]}.txt" >> "$RESULTS/serve-check.txt"
+        cp "$WORK/serve-${names[$i]}/serve-check.json" "$WORK/serve-check-${names[$i]}.json" 2>/dev/null
+        last="$(grep '^gpu_serve_check' "$WORK/job-${names[$i]}.txt" | tail -1)"
+        if [ $rc -eq 0 ]; then
+            step 2 "serve check, ${names[$i]}" passed "${last#gpu_serve_check: }"
+        else
+            step 2 "serve check, ${names[$i]}" failed "${last:-exit $rc: $(tail -1 "$WORK/job-${names[$i]}.txt")}; see serve-check.txt"
+        fi
+    done
+    if [ -n "$kernels_pid" ]; then
+        wait "$kernels_pid"
+        rc=$?
+        { echo; echo "## kernel tests at the tiny model's shape (compiled)"; cat "$WORK/job-kernels.txt"; } >> "$RESULTS/stage2.txt"
+        last="$(grep -E '[0-9]+ (passed|failed|error)' "$WORK/job-kernels.txt" | tail -1)"
+        if [ $rc -eq 0 ]; then step 2 "kernel tests, head_dim 32 (compiled)" passed "$last"
+        else step 2 "kernel tests, head_dim 32 (compiled)" failed "${last:-exit $rc}; see stage2.txt"; fi
+    fi
+    touch "$done"
+    "$PY" - "$RESULTS/serve-check.json" "$WORK" <<'PYEOF'
+import json, pathlib, sys
+paths = sorted(pathlib.Path(sys.argv[2]).glob("serve-check-*.json"))
+merged = {p.stem.removeprefix("serve-check-"): json.loads(p.read_text()) for p in paths}
+json.dump(merged, open(sys.argv[1], "w"), indent=1)
+PYEOF
+    if [ -n "$bench_pid" ]; then
+        wait "$bench_pid"
+        rc=$?
+        last="$(grep -E '^\| (full|snapkv|momentkv)' "$RESULTS/throughput.md" | awk -F'|' '{printf "%s%s %s tok/s", sep, $2, $6; sep=";"}')"
+        if [ $rc -eq 0 ]; then
+            step 2 "throughput" done "$last"
+        else
+            step 2 "throughput" failed "exit $rc${last:+: $last}; see throughput.md"
+        fi
+    fi
 }
 
 run_stage2() {
-    local out="$RESULTS/stage2.txt" vpy rc
-    : > "$out"
-    if [ -n "$PAYLOAD" ]; then
-        if install_payload >> "$out" 2>&1; then
-            step 2 payload passed "installed in $VENV"
-        else
-            step 2 payload failed "$(tail -1 "$out")"
-            return
-        fi
-    fi
-    if [ -x "$VENV/bin/python" ]; then vpy="$VENV/bin/python"; else vpy="$PY"; fi
-    local tokenizer="$WORK/payload/tokenizer"
-    local pythonpath=""
-    [ "$PLUGIN" = tree ] && pythonpath="$SITE"
-    {
-        echo; echo "## pip check ($vpy)"
-        PYTHONSAFEPATH=1 "$vpy" -m pip check 2>&1 || true
-        # vLLM's compiled ops on this torch, before anything else.
-        echo; echo "## import check"
-    } >> "$out"
-    PYTHONSAFEPATH=1 "$vpy" - >> "$out" 2>&1 <<'PYEOF'
-import importlib.util, sys, traceback
-import torch
-try:
-    import vllm
-except Exception:
-    traceback.print_exc()
-    print("IMPORT-FAILED import vllm")
-    sys.exit(1)
-print(f"vllm {vllm.__version__} from {vllm.__file__}; torch {torch.__version__}")
-failed = False
-for name in ("vllm._C_stable_libtorch", "vllm._C"):
-    if name == "vllm._C" and importlib.util.find_spec(name) is None:
-        print("vllm._C: not in this build")
-        continue
-    try:
-        importlib.import_module(name)
-        print(f"{name}: loaded")
-    except Exception as exc:
-        traceback.print_exc()
-        print(f"IMPORT-FAILED {name}: {type(exc).__name__}: {exc}")
-        failed = True
-sys.exit(1 if failed else 0)
-PYEOF
-    rc=$?
-    if [ $rc -ne 0 ]; then
-        local error
-        error="$(grep IMPORT-FAILED "$out" | head -1 | sed 's/^IMPORT-FAILED //')"
-        echo "gpu_check.sh: stage 2 stopped: this vLLM build cannot load its compiled ops on this machine's torch" \
-             "($("$vpy" -c 'import torch; print(torch.__version__)' 2>/dev/null)): ${error:-see stage2.txt}" | tee -a "$out"
-        step 2 "vLLM compiled ops import" failed "this vLLM build cannot load on this torch: ${error:-see stage2.txt}"
-        return
-    fi
-    step 2 "vLLM compiled ops import" passed "$(grep -E '^vllm [0-9]' "$out" | head -1)"
-    {
-        echo; echo "## plugin"
-        env PYTHONSAFEPATH=1 PYTHONPATH="$pythonpath" "$vpy" -c \
-            'import vllm_kvevict; from vllm_kvevict.vllm_glue import compat; print(vllm_kvevict.__file__); print("unsupported:", compat.unsupported_reason())' 2>&1
-    } >> "$out"
-
-    skipping serve 2 && return
-    local args=(--expect benchmarks/gpu_reference_tokens.json --work "$WORK/serve")
-    [ -d "$tokenizer" ] && args+=(--tokenizer-dir "$tokenizer")
-    [ -n "$SETTINGS" ] && args+=(--settings "$SETTINGS")
-    env -u TRITON_INTERPRET PYTHONSAFEPATH=1 PYTHONPATH="$pythonpath" \
-        "$vpy" scripts/gpu_serve_check.py "${args[@]}" > "$RESULTS/serve-check.txt" 2>&1
-    rc=$?
-    cp "$WORK/serve/serve-check.json" "$RESULTS/serve-check.json" 2>/dev/null
-    local last
-    last="$(grep '^gpu_serve_check' "$RESULTS/serve-check.txt" | tail -1)"
-    if [ $rc -eq 0 ]; then
-        step 2 "serve check" passed "${last#gpu_serve_check: }"
-    else
-        step 2 "serve check" failed "${last:-exit $rc: $(tail -1 "$RESULTS/serve-check.txt")}; see serve-check.txt"
-    fi
+    : > "$RESULTS/stage2.txt"
+    stage2_payload || return
+    stage2_env
+    stage2_ops || return
+    stage2_serve
+    (cd / && tar -czf "$RESULTS/logs.tar.gz" --ignore-failed-read -C "$WORK" \
+        $(cd "$WORK" && ls -d serve-*/*.log throughput/*.log 2>/dev/null)) 2>/dev/null
 }
 
 case "$STAGES" in
