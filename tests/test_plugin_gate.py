@@ -32,17 +32,19 @@ CLI_ERROR = "vllm-kvevict: error: KV-cache eviction is unavailable:"
 # --------------------------------------------------------------------------- the rules
 
 
-def _args(backend=None, configured=None, per_kind=None, async_scheduling=None, watermark_config=None):
+def _args(backend=None, configured=None, per_kind=None, async_scheduling=None, watermark_config=None,
+          enforce_eager=False, compilation_config=None):
     """The EngineArgs fields the rules read."""
     attention_config = SimpleNamespace(backend=configured, backend_per_kind=per_kind or {}, hisparse_config=None)
     return SimpleNamespace(
         attention_backend=backend, attention_config=attention_config,
         async_scheduling=async_scheduling, watermark_config=watermark_config,
+        enforce_eager=enforce_eager, compilation_config=compilation_config,
     )
 
 
-def _config(kernel="auto"):
-    return SimpleNamespace(attention_kernel=kernel)
+def _config(kernel="auto", policy="snapkv"):
+    return SimpleNamespace(attention_kernel=kernel, policy=policy)
 
 
 def _member(name):
@@ -55,7 +57,7 @@ def test_cuda_selects_the_triton_backend_without_async_scheduling_on_the_v1_runn
     assert changes.attention_backend == vllm_kvevict.GPU_BACKEND_NAME == "KVEVICT_TRITON"
     assert changes.async_scheduling_off
     assert changes.environ == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    assert "not yet served on a GPU" in changes.warning and "Triton interpreter" in changes.warning
+    assert "NVIDIA H200 with test models only" in changes.warning and "Status section" in changes.warning
     assert "\n" not in changes.warning
 
 
@@ -71,6 +73,22 @@ def test_cuda_selects_the_triton_backend_without_async_scheduling_on_the_v1_runn
 def test_cuda_accepts_what_agrees_with_the_rules(args, kernel, environ):
     changes = cli.eviction_platform_rules("cuda", args, _config(kernel), environ)
     assert changes.attention_backend == "KVEVICT_TRITON" and changes.async_scheduling_off
+
+
+def test_cuda_runs_the_learned_policy_without_cuda_graphs():
+    """Its retention gates run between layers, where CUDA graph replays skip
+    them: refused with graphs, accepted without (eager, or graphs off)."""
+    with pytest.raises(KVEvictionConfigError) as info:
+        cli.eviction_platform_rules("cuda", _args(), _config(policy="learned"), {})
+    assert "add --enforce-eager or -cc.cudagraph_mode=NONE" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(KVEvictionConfigError):
+        cli.eviction_platform_rules("cuda", _args(compilation_config={"cudagraph_mode": "PIECEWISE"}),
+                                    _config(policy="learned"), {})
+    for args in (_args(enforce_eager=True), _args(compilation_config={"cudagraph_mode": "NONE"}),
+                 _args(compilation_config=SimpleNamespace(cudagraph_mode=_member("NONE")))):
+        assert cli.eviction_platform_rules("cuda", args, _config(policy="learned"), {}).async_scheduling_off
+    assert cli.eviction_platform_rules("cpu", _args(), _config(policy="learned"), {}) == cli.PlatformChanges()
+    assert cli.eviction_platform_rules("cuda", _args(), _config(policy="snapkv"), {}).async_scheduling_off
 
 
 def test_cuda_backend_chosen_in_attention_config_is_kept_there():
@@ -236,6 +254,7 @@ if fake == "version":
     compat.installed_vllm_version = lambda: value
 else:
     compat.platform_name = lambda: value
+    compat.COMPILED_OPS[value] = "vllm._custom_ops"  # the CPU build has no CUDA ops: a module that loads
 """
 
 _SCRIPTS = {
@@ -370,7 +389,7 @@ def test_cuda_registers_the_triton_backend_and_applies_the_rules(runs):
     assert _lines(out, "BACKEND") == ["BACKEND True"]
     assert _lines(out, "ASYNC") == ["ASYNC False"]
     assert _lines(out, "RUNNER") == ["RUNNER 0 False"]
-    assert err.count("not yet served on a GPU") == 1
+    assert err.count("served so far on an NVIDIA H200 with test models only") == 1
     assert _lines(out, "CHILD") == [f"CHILD {vllm_kvevict.GPU_BACKEND_NAME} {vllm_kvevict.GPU_BACKEND}"]
     names = _lines(out, "GET_NAME")
     if not names:

@@ -52,10 +52,10 @@ _CLI_MARK = "_kvevict_from_command_line"
 _warned_cuda = False
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-CUDA_UNVERIFIED_WARNING = (
-    "vllm-kvevict: eviction on CUDA runs the Triton backend ({name}), which has been "
-    "tested inside vLLM on CPU under the Triton interpreter and kernel by kernel, but "
-    "not yet served on a GPU; see the Status section of vllm-kvevict's README"
+CUDA_STATUS_WARNING = (
+    "vllm-kvevict: eviction on CUDA runs the Triton backend ({name}), served so far on "
+    "an NVIDIA H200 with test models only, where its eviction steps cost more throughput "
+    "than the memory they free gives back; see the Status section of vllm-kvevict's README"
 )
 
 
@@ -215,6 +215,17 @@ def _backend_name(value: Any) -> str | None:
     return None if name == "AUTO" else name
 
 
+def _cuda_graphs_on(engine_args: Any) -> bool:
+    """Whether vLLM will capture CUDA graphs: not with ``--enforce-eager`` or
+    ``cudagraph_mode`` NONE (``-cc.cudagraph_mode=NONE``)."""
+    if getattr(engine_args, "enforce_eager", False):
+        return False
+    compilation = getattr(engine_args, "compilation_config", None)
+    mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else getattr(
+        compilation, "cudagraph_mode", None)
+    return mode is None or str(getattr(mode, "name", mode)).upper() != "NONE"
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -283,6 +294,14 @@ def eviction_platform_rules(
             "--kv-eviction on CUDA hooks vLLM's V1 model runner and watermarking needs "
             "the V2 runner; drop --watermark-config",
         )
+    if getattr(config, "policy", None) == "learned" and _cuda_graphs_on(engine_args):
+        # The gates' custom op runs inside a captured piece, whose replays
+        # skip its Python body: no gate input reaches attention.
+        _fail(
+            "policy 'learned' on CUDA runs without CUDA graphs (its retention gates run "
+            "between the model's layers, where graph replays skip them); add --enforce-eager "
+            "or -cc.cudagraph_mode=NONE",
+        )
     if getattr(attention_config, "hisparse_config", None) is not None:
         _fail(
             "--kv-eviction on CUDA hooks vLLM's V1 model runner and HiSparse needs "
@@ -293,7 +312,7 @@ def eviction_platform_rules(
         attention_backend=GPU_BACKEND_NAME if configured is None else None,
         async_scheduling_off=True,
         environ={V2_RUNNER_ENV: "0"},
-        warning=CUDA_UNVERIFIED_WARNING.format(name=GPU_BACKEND_NAME),
+        warning=CUDA_STATUS_WARNING.format(name=GPU_BACKEND_NAME),
     )
 
 
