@@ -36,7 +36,8 @@ Stage 2 (vLLM, from the GPU payload of scripts/gpu_payload.py build):
              compiled, beside the serve checks
   serve      side by side: scripts/gpu_serve_check.py over the tiny random
              model (SnapKV slots, AdaKV+SnapKV, MomentKV, learned, prefix
-             caching with MomentKV) compiled with piecewise CUDA graphs, the
+             caching with MomentKV) compiled with piecewise CUDA graphs
+             (learned: compiled, without graphs, as start-up requires), the
              same eager, and MomentKV through `vllm serve` (check (e));
              greedy tokens against the CPU recording, poison mode, blocks
              returned to the pool

@@ -14,7 +14,8 @@ tokens) and several times while decoding:
 * ``momentkv``: MomentKV (moment correction on, adaptive head budgets);
 * ``learned``: learned global eviction (``head_budget: global``) with
   retention gates drawn from a seeded generator for the tiny model (the
-  gates shipped in the package are the default model's);
+  gates shipped in the package are the default model's); compiled without
+  CUDA graphs on CUDA, as start-up requires for it;
 * ``prefix``: MomentKV's setting with ``prefix_caching: shared``: three
   requests one after another, the second sharing the first's first 512
   tokens (its protected prefix), the third the first again (not recorded:
@@ -252,6 +253,12 @@ def build_gates(model: Path, out: Path, seed: int = GATES_SEED) -> Path:
 # --------------------------------------------------------------------------- one engine
 
 
+def graphs_off(request: dict[str, Any]) -> bool:
+    """The learned policy runs compiled without CUDA graphs on CUDA (its gates
+    run between layers, where graph replays skip them): what start-up asks for."""
+    return request["kv_eviction"]["policy"] == "learned" and not request["enforce_eager"] and _cuda_available()
+
+
 def run_engine(request: dict[str, Any]) -> dict[str, Any]:
     """One setting: an offline engine, the prompts, the stats files."""
     from vllm import LLM, SamplingParams
@@ -263,6 +270,7 @@ def run_engine(request: dict[str, Any]) -> dict[str, Any]:
         request["model"],
         **ENGINE,
         enforce_eager=request["enforce_eager"],
+        **({"compilation_config": {"cudagraph_mode": "NONE"}} if graphs_off(request) else {}),
         kv_cache_memory_bytes=POOL_BLOCKS * page_bytes + 4096,
         additional_config={"kv_eviction": request["kv_eviction"]},
         **({"gpu_memory_utilization": request["gpu_memory_utilization"]}
@@ -360,6 +368,8 @@ def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, ext
             "--kv-cache-memory-bytes", str(POOL_BLOCKS * request["page_bytes"] + 4096)]
     if request["enforce_eager"]:
         args.append("--enforce-eager")
+    if graphs_off(request):
+        args.append("-cc.cudagraph_mode=NONE")
     if request.get("gpu_memory_utilization"):
         args += ["--gpu-memory-utilization", str(request["gpu_memory_utilization"])]
     os.environ[POISON_ENV] = "1"
@@ -388,9 +398,11 @@ def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, ext
             logprobs.append(list(choice["logprobs"]["token_logprobs"]))
             ranked = [sorted(top.values(), reverse=True) for top in choice["logprobs"]["top_logprobs"]]
             gaps.append([r[0] - r[1] if len(r) > 1 else float("inf") for r in ranked])
+        # The counters of these requests alone (check (c), free points): before the extras add theirs.
+        stats, workers = server.wait_idle(timeout=60)
         if extras:
             failures = http_extras(server, request, complete)
-        stats, workers = server.wait_idle(timeout=60)
+            server.wait_idle(timeout=60)  # every block back after them too (TimeoutError otherwise)
         return {"tokens": tokens, "logprobs": logprobs, "top2_gaps": gaps, "stats": stats,
                 "worker_stats": workers[0], "startup_s": started - start, "generate_s": generated - started,
                 "http_failures": failures}
