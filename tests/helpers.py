@@ -1,6 +1,7 @@
 """Test helpers: the evaluation tools, the shared server's settings, and what
 each pytest-xdist worker sets for the engines it starts."""
 
+import functools
 import os
 
 from vllm_kvevict.evaluation.server import PORT_RANGE_ENV, VllmServer, free_port, vllm_executable  # noqa: F401
@@ -115,3 +116,48 @@ def ranks_binding(ranks: int) -> str:
     if engine_cores() is None:
         return "|".join(str(core) for core in range(ranks))
     return "|".join([os.environ["VLLM_CPU_OMP_THREADS_BIND"]] * ranks)
+
+
+UNSUPPORTED_LAYOUT = "Unsupported CPU attention configuration"
+
+
+@functools.cache
+def vllm_page_layouts() -> frozenset[str]:
+    """The page layouts (vLLM's CPU attention ISAs: ``vec``, ``vec16``,
+    ``amx``) that the vLLM build loaded on this CPU writes. vLLM loads its
+    AVX-512 build only on CPUs with AVX-512; its AVX2 build has no ``amx``
+    layout ("Unsupported CPU attention configuration")."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    layouts = set()
+    for isa in ("vec", "vec16", "amx"):
+        cache = torch.zeros(1, 1, 64, 32, dtype=torch.bfloat16)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        tokens = torch.zeros(32, 1, 32, dtype=torch.bfloat16)
+        try:
+            ops.cpu_attn_reshape_and_cache(
+                tokens, tokens, key_cache, value_cache, torch.arange(32), isa,
+                k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+            )
+        except RuntimeError as exc:
+            if UNSUPPORTED_LAYOUT not in str(exc):
+                raise
+        else:
+            layouts.add(isa)
+    return frozenset(layouts)
+
+
+def layout_param(*values, isa: str):
+    """``pytest.param(*values)`` of a case in vLLM's ``isa`` page layout,
+    skipped (with the reason) where the vLLM build loaded on this CPU has no
+    such layout."""
+    import pytest
+
+    return pytest.param(
+        *values,
+        marks=pytest.mark.skipif(
+            isa not in vllm_page_layouts(),
+            reason=f"vLLM's CPU build for this CPU has no '{isa}' page layout (its AVX-512 build has)",
+        ),
+    )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from helpers import layout_param
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
@@ -310,7 +311,9 @@ def _id(shape) -> str:
     return f"G{g}-D{d}-bs{bs}-{str(dtype).split('.')[-1]}-{isa}-{summary}-{kind}"
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize(
+    "shape", [layout_param(shape, isa=shape[4]) if shape[4] == "amx" else shape for shape in SHAPES], ids=_id
+)
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_matches_reference(shape, path, request):
     group, dim, bs, dtype, isa, summary, decode = shape
@@ -325,7 +328,7 @@ def test_matches_reference(shape, path, request):
         check(case, out, lse)
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_protected_prefix_matches_reference(isa, path, request):
     """A protected prefix (prefix_caching shared): the slots [0, p) of the
@@ -373,24 +376,24 @@ def test_split_kv_and_tiles(native, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), layout_param(torch.bfloat16, "amx", isa="amx")])
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_poisoned_unreferenced_elements_never_leak(path, request):
+def test_poisoned_unreferenced_elements_never_leak(path, dtype, isa, request):
     """NaN in every head-page no table references, in standard slots before
     region_start and past seq_len, and in compacted page tails past head_lens:
     outputs stay finite and equal the oracle's."""
     if path == "native":
         request.getfixturevalue("native")
-    for dtype, isa in ((torch.float32, "vec"), (torch.bfloat16, "amx")):
-        case = make_case(
-            3, queries=[1, 4, 1], seq_lens=[75, 40, 33], region_starts=[70, 3, 32],
-            head_lens=[[5, 64, 0], [31, 1, 40], [32, 0, 95]], group=3, head_dim=64,
-            page_size=32, dtype=dtype, isa=isa, summary="random", spare_blocks=6,
-        )
-        # The poison really is there: whole spare head-pages, slots outside
-        # the regions, page tails.
-        assert torch.isnan(case.kv_cache).any()
-        out, lse = run_native(case) if path == "native" else run_torch(case)
-        check(case, out, lse)
+    case = make_case(
+        3, queries=[1, 4, 1], seq_lens=[75, 40, 33], region_starts=[70, 3, 32],
+        head_lens=[[5, 64, 0], [31, 1, 40], [32, 0, 95]], group=3, head_dim=64,
+        page_size=32, dtype=dtype, isa=isa, summary="random", spare_blocks=6,
+    )
+    # The poison really is there: whole spare head-pages, slots outside
+    # the regions, page tails.
+    assert torch.isnan(case.kv_cache).any()
+    out, lse = run_native(case) if path == "native" else run_torch(case)
+    check(case, out, lse)
 
 
 def test_generic_head_dim_int64_indices_and_strided_query(native):

@@ -5,6 +5,8 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
+from helpers import layout_param
+
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.head_pages import assign_pages, block_head_pages, gather_live, live_addresses
@@ -29,7 +31,7 @@ def _cpu_cache(logical: torch.Tensor, isa: str):
     return kv_cache
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])
 @pytest.mark.parametrize("seed", range(3))
 def test_compaction_round_trip_and_live_tokens(isa, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +86,7 @@ def test_assign_pages_refuses_more_than_held():
         assign_pages(torch.arange(2, dtype=torch.int32), [16, 17], 16)
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])
 def test_poison_standard_prefix_hits_only_those_slots(isa):
     num_blocks, heads, bs, head_dim = 4, 2, 16, 32
     keys = torch.randn(num_blocks, heads, bs, head_dim)
@@ -147,7 +149,7 @@ def _laid_out_cache(gen, num_blocks, heads, bs, head_dim, isa, dtype):
     return kv_cache, keys, values
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(3))
 def test_native_gather_reads_what_the_per_head_reads_read(isa, dtype, seed):
@@ -245,7 +247,7 @@ def test_native_copies_refuse_bad_indices_before_copying():
     assert torch.equal(kv_cache, before)
 
 
-@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])
 @pytest.mark.parametrize("seed", range(2))
 def test_compaction_through_native_copies_is_the_per_head_compaction(isa, seed):
     """Two compactions of one request (the prompt's end, then a decode-time
