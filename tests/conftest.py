@@ -22,6 +22,14 @@ for _name, _value in worker_environment(
 ).items():
     os.environ.setdefault(_name, _value)
 
+# Every Python process the tests start imports tests/engine_site/sitecustomize.py:
+# vLLM's engines wait on their message queues without spinning, so an engine
+# takes one core, not two, and the workers' engines do not take each other's.
+_ENGINE_SITE = str(Path(__file__).parent / "engine_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_ENGINE_SITE, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _ENGINE_SITE)]
+)
+
 # Every engine this session starts (servers and offline LLMs inherit the
 # environment) runs in the isolation debug mode: blocks returned to vLLM's pool
 # are filled with NaN and attention outputs are checked for it.

@@ -1,6 +1,6 @@
 """What lets the suite run on two pytest-xdist workers: ports no two servers
-share, a core of its own for each worker's engines, models built once when
-two processes ask for them together.
+share, a core of its own for each worker's engines, engines that do not spin
+on a second core, models built once when two processes ask for them together.
 
 The engines' binding itself is checked on a real server in
 ``test_e2e_serve.py`` (``test_engine_runs_on_the_workers_core``).
@@ -121,6 +121,45 @@ def test_tensor_parallel_ranks_stay_on_the_workers_core(monkeypatch):
     assert ranks_binding(2) == "1|1"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # the machine to itself: a core each
     assert ranks_binding(2) == "0|1"
+
+
+QUEUE_WAIT_CPU = """
+import time, zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+reader = SpinCondition(is_reader=True, context=zmq.Context(), notify_address="inproc://queue")
+reader.record_read()  # as after a message: vLLM's readers then spin for busy_loop_s
+wall, cpu = time.monotonic(), time.process_time()
+while time.monotonic() - wall < 0.5:
+    reader.wait(timeout_ms=50)  # nothing is written: each wait times out (or yields)
+print(reader.busy_loop_s, time.process_time() - cpu)
+"""
+
+
+def test_engines_wait_on_their_queues_without_spinning():
+    """A process the tests start (conftest.py's PYTHONPATH) gets vLLM's queue
+    readers without the busy loop: half a second waiting for a message costs
+    almost no CPU, where vLLM's 1-second spin would cost all of it."""
+    out = subprocess.run([sys.executable, "-c", QUEUE_WAIT_CPU], capture_output=True, text=True, check=True)
+    busy_loop_s, cpu_seconds = map(float, out.stdout.split())
+    assert busy_loop_s == 0.0
+    assert cpu_seconds < 0.1, f"waiting 0.5 s took {cpu_seconds:.2f} s of CPU"
+
+
+NO_BUSY_LOOP = """
+import sys, sitecustomize  # the engines' start-up module, imported at start-up
+class SpinCondition:
+    def __init__(self, is_reader, context, notify_address):
+        pass
+module = type(sys)("shm_broadcast")
+module.SpinCondition = SpinCondition
+sitecustomize.wait_without_spinning(module)
+"""
+
+
+def test_a_vllm_without_the_queues_busy_loop_is_named():
+    out = subprocess.run([sys.executable, "-c", NO_BUSY_LOOP], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "SpinCondition(busy_loop_s=...) is gone; update this file" in out.stderr.splitlines()[-1]
 
 
 BUILD_TINY = """
