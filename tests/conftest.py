@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -38,25 +39,52 @@ os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
 
 # Files whose first test waits minutes on a build (the images; a virtualenv
-# from the wheel): first in the run, so that the other pytest-xdist worker's
-# files run beside the builds instead of the builds ending the run.
-BUILDS_FIRST = ("test_images.py", "test_packaging.py")
+# from the wheel).
+BUILDS = ("test_images.py", "test_packaging.py")
+ENGINES = "engines"
+
+
+@functools.cache
+def starts_engines(path: Path) -> bool:
+    """Whether the test file at ``path`` has tests marked e2e (read from its
+    text: pytest-xdist's scheduler sees node ids, not markers); the builds
+    are counted apart."""
+    return path.name not in BUILDS and "pytest.mark.e2e" in path.read_text()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The run's order: the files of BUILDS_FIRST, then the files that start
-    engines (tests marked e2e), then the rest; a file's tests stay together in
-    their order. Under ``--dist loadfile --no-loadscope-reorder`` (the README's
-    test command) xdist hands files to the workers in this order."""
-    engines = {item.path for item in items if item.get_closest_marker("e2e")}
+    """The run's order: the files that start engines, then BUILDS, then the
+    rest; a file's tests stay together in their order. Under ``--dist
+    loadfile --no-loadscope-reorder`` (the README's test command) the
+    scheduler below hands out work in this order."""
 
     def rank(item: pytest.Item) -> int:
-        if item.path.name in BUILDS_FIRST:
-            return BUILDS_FIRST.index(item.path.name)
-        return len(BUILDS_FIRST) + (item.path not in engines)
+        if starts_engines(item.path):
+            return 0
+        if item.path.name in BUILDS:
+            return 1 + BUILDS.index(item.path.name)
+        return 1 + len(BUILDS)
 
     items.sort(key=rank)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with every file that starts engines in one unit of
+    work: one pytest-xdist worker runs them from the start, one after another,
+    sharing the session's servers, while the other runs the builds, then the
+    rest, beside it (two engines at a time ran the suite barely faster on
+    two cores). Other distributions are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return ENGINES if starts_engines(config.rootpath / path) else path
+
+    return EnginesTogether(config, log)
 
 
 @pytest.fixture(scope="session")
