@@ -69,6 +69,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: nothing without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` with every file that starts engines in one unit of
     work: one pytest-xdist worker runs them from the start, one after another,
