@@ -24,8 +24,9 @@ for _name, _value in worker_environment(
     os.environ.setdefault(_name, _value)
 
 # Every Python process the tests start imports tests/engine_site/sitecustomize.py:
-# vLLM's engines wait on their message queues without spinning, so an engine
-# takes one core, not two, and the workers' engines do not take each other's.
+# vLLM's engines poll their message queues with short sleeps instead of
+# spinning, so an engine takes one core, not two, and does not take the other
+# worker's.
 _ENGINE_SITE = str(Path(__file__).parent / "engine_site")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [_ENGINE_SITE, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _ENGINE_SITE)]
