@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_kvevict.evaluation.ruler_eval import MEAN_ROW, RecordLog, compare, summarize
+from vllm_kvevict.evaluation.records import RecordLog
+from vllm_kvevict.evaluation.ruler_eval import MEAN_ROW, compare, summarize
 
 # (A, B, what A - B isolates). Names are shipped configs (configs/NAME.yaml) or
 # variants in benchmarks/config_study/.

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
 

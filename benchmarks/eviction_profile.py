@@ -52,11 +52,11 @@ from vllm_kvevict.eviction.head_pages import compact_head_pages
 from vllm_kvevict.eviction.point import EvictionPoint, StreamRows
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.policies import ScoringInputs
-from vllm_kvevict.policies.allocation import use_native_selection
 from vllm_kvevict.policies.base import RotaryFrequencies
 from vllm_kvevict.schedule import cdiv
+from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
 from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
 

@@ -179,7 +179,7 @@ class Requests:
 
 def make_requests(setup: Setup, batch: int, length: int) -> Requests:
     """``B`` requests of ``L`` tokens per head over blocks ``0 .. B * L / page_size``."""
-    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
     dev, heads, ps = setup.device, setup.kv_heads, setup.page_size
@@ -432,7 +432,7 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
 def smoke_check(setup: Setup) -> None:
     """Both kernels against their torch references on vLLM's views in both
     layouts (catches a script that times wrong results)."""
-    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages, compact_head_pages_reference
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention, head_paged_attention_reference
 

@@ -276,7 +276,7 @@ struct OffsetTable {
   PageOrder order;
 };
 
-// Rank of the moments' value x key cross-covariance C (see vllm_kvevict/eviction/moments.py).
+// Rank of the moments' value x key cross-covariance C (see vllm_kvevict/moments.py).
 enum class CovMode { kNone, kDiagonal, kFull };
 
 struct Params {

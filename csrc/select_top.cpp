@@ -7,7 +7,7 @@
 //   * top_k_indices: the same entries as indices, ascending, -1 padded to
 //     [R, max k] (what select_top returns).
 //
-// Semantics: vllm_kvevict/policies/allocation.py (top_k_mask, select_top),
+// Semantics: vllm_kvevict/top_k.py (top_k_mask, select_top),
 // whose torch path is the reference these are tested against. Per row, one
 // nth_element under the strict order (score descending, index ascending)
 // finds the k entries; a NaN ranks with -inf (the callers reject NaN first).

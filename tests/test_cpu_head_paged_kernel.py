@@ -24,7 +24,7 @@ import torch
 
 from helpers import layout_param
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention_reference
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout

@@ -254,12 +254,12 @@ def test_compaction_through_native_copies_is_the_per_head_compaction(isa, seed):
     point over the tokens written since) through each cache: the same bytes,
     page tables, positions, lengths and moments, and the kept tokens are the
     logical tokens at their positions."""
+    from vllm_kvevict.eviction.allocation import AdaKVAllocation
     from vllm_kvevict.eviction.head_pages import compact_head_pages
-    from vllm_kvevict.eviction.moments import EvictedMoments
     from vllm_kvevict.eviction.point import EvictionPoint, StreamRows
     from vllm_kvevict.eviction.select import KeepRule
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.policies import ScoringInputs, make_policy
-    from vllm_kvevict.policies.allocation import AdaKVAllocation
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks, heads, bs, head_dim = 24, 3, 16, 32
@@ -314,7 +314,7 @@ def test_evicted_tokens_are_each_heads_dropped_live_tokens_in_slot_order(native,
     selection and with the C++ one."""
     from vllm_kvevict import cpu_ops
     from vllm_kvevict.eviction.head_pages import LiveTokens, evicted_tokens
-    from vllm_kvevict.policies.allocation import use_native_selection
+    from vllm_kvevict.top_k import use_native_selection
 
     gen = torch.Generator().manual_seed(seed)
     heads, width, dim = 3, 50, 8

@@ -1,18 +1,14 @@
 """The C++ selection (``csrc/select_top.cpp``) against the torch paths of
-``policies/allocation.py`` and a stable sort, on scores full of ties."""
+``top_k.py`` and a stable sort, on scores full of ties, and the allocations of
+``eviction/allocation.py`` served by either."""
 
 import pytest
 import torch
 
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.policies import allocation
-from vllm_kvevict.policies.allocation import (
-    AdaKVAllocation,
-    global_top_b,
-    select_top,
-    top_k_mask,
-    use_native_selection,
-)
+from vllm_kvevict import top_k as allocation  # the module whose switch the tests read
+from vllm_kvevict.eviction.allocation import AdaKVAllocation, global_top_b
+from vllm_kvevict.top_k import select_top, top_k_mask, use_native_selection
 
 INF = float("inf")
 

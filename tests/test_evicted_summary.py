@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments, merge_partial_states
+from vllm_kvevict.moments import EvictedMoments, merge_partial_states
 
 
 def _full_attention(q, keys, values, scale):

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from vllm_kvevict.eviction.cache_ops import EvictionObserver, Released
+from vllm_kvevict.eviction.allocation import AdaKVAllocation, UniformAllocation
 from vllm_kvevict.eviction.head_pages import compact_head_pages
-from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.eviction.point import EvictionPoint, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
 from vllm_kvevict.eviction.slots import evict_slots
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.policies import ScoringInputs, make_policy
-from vllm_kvevict.policies.allocation import AdaKVAllocation, UniformAllocation
 
 
 class LogicalCache:

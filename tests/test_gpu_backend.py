@@ -52,7 +52,7 @@ def builder(vllm_config):
 def test_declarations():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_kvevict import GPU_BACKEND_NAME
+    from vllm_kvevict.backend_name import GPU_BACKEND_NAME
     from vllm_kvevict.vllm_glue.gpu_backend import (
         KVEvictTritonBackend,
         KVEvictTritonImpl,

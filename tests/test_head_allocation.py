@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from vllm_kvevict.policies.allocation import (
+from vllm_kvevict.eviction.allocation import (
     AdaKVAllocation,
     PyramidAllocation,
     UniformAllocation,
@@ -14,9 +14,8 @@ from vllm_kvevict.policies.allocation import (
     global_top_b,
     pyramid_layer_budgets,
     round_to_pages,
-    select_top,
-    top_k_mask,
 )
+from vllm_kvevict.top_k import select_top, top_k_mask
 
 INF = float("inf")
 
@@ -216,7 +215,7 @@ def test_global_top_b_matches_brute_force(seed):
 def test_allocate_head_tokens_keeps_floor_protected_and_pages(seed):
     """Whole pages within the layer's total, every head at least its protected
     tokens and AdaKV's floor (rounded up to a page), when it has them."""
-    from vllm_kvevict.policies.allocation import allocate_head_tokens
+    from vllm_kvevict.eviction.allocation import allocate_head_tokens
 
     gen = torch.Generator().manual_seed(seed)
     heads, page = 3, 16
@@ -312,8 +311,8 @@ def test_a_nan_key_does_not_evict_sinks_or_recent_tokens(policy):
     become NaN): the selection falls back to the sinks and the most recent
     tokens, every head keeps its full count, the fallback is reported."""
     from vllm_kvevict.config import build_config
-    from vllm_kvevict.eviction.moments import EvictedMoments
     from vllm_kvevict.eviction.select import KeepRule, choose_kept
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.policies.base import ScoringInputs
 
     gen = torch.Generator().manual_seed(3)

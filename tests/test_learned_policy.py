@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVEvictionConfigError, build_config
+from vllm_kvevict.eviction.allocation import GlobalAllocation, allocate_head_tokens
 from vllm_kvevict.policies import ScoringInputs, make_policy
-from vllm_kvevict.policies.allocation import GlobalAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.policies.gate_checkpoints import (
     TRIMKV_FILE,
     GateCheckpointError,
@@ -24,6 +24,7 @@ from vllm_kvevict.policies.gate_checkpoints import (
     shipped_gates,
 )
 from vllm_kvevict.policies.retention_gate import RetentionGateConfig, RetentionGates
+from vllm_kvevict.top_k import select_top
 
 
 def _random_inputs(gen: torch.Generator, heads: int, live: int, step: int) -> ScoringInputs:

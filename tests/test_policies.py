@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments
 from vllm_kvevict.eviction.select import score_heads
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.policies import (
     POLICIES,
     EvictionPolicy,

@@ -142,8 +142,8 @@ def test_momentkv_rounds_follow_algorithm_1(seed, rounds, covariance):
     """The batched greedy: R rounds of rescoring against the statistics of
     what is already evicted (R = number evicted: Alg. 1's one-at-a-time
     greedy), the kept set equal to a from-scratch fp64 loop."""
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.policies import MomentKVPolicy, SnapKVPolicy
-    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(100 + seed)
     inputs = _inputs(gen, group=2, window=5)
@@ -170,8 +170,8 @@ def test_momentkv_rounds_shrink_with_the_share_an_eviction_adds(seed):
     eviction): the eviction runs ceil(R x the largest share it adds to a
     head's evicted count) rounds, and keeps what the from-scratch fp64 loop
     of that many rounds keeps."""
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.policies import MomentKVPolicy, SnapKVPolicy
-    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(300 + seed)
     inputs = _inputs(gen, group=2, window=5)
@@ -221,8 +221,8 @@ def test_momentkv_score_is_attention_times_moment_residual(seed, covariance):
     statistics), α SnapKV's score: the window attention averaged over window
     and group, max-pooled over 7 neighbours; with nothing evicted it is
     α_j ‖v_j‖."""
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.policies import MomentKVPolicy
-    from vllm_kvevict.eviction.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, group=2, window=5)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from vllm_kvevict.eviction.allocation import AdaKVAllocation, allocate_head_tokens
 from vllm_kvevict.policies import (
     POLICIES,
     CriticalKVPolicy,
@@ -19,7 +20,6 @@ from vllm_kvevict.policies import (
     ScoringInputs,
     make_policy,
 )
-from vllm_kvevict.policies.allocation import AdaKVAllocation, allocate_head_tokens, select_top
 from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.policies.criticalkv import projected_value_norms
 from vllm_kvevict.policies.rope import (
@@ -30,6 +30,7 @@ from vllm_kvevict.policies.rope import (
     rotate,
     unrotate,
 )
+from vllm_kvevict.top_k import select_top
 
 
 def _rope(dim, base=100000.0, neox=True, scaling=1.0):
@@ -434,7 +435,7 @@ def test_every_policy_keeps_its_budget_exactly(name, seed):
     """select() returns exactly num_keep sorted, distinct indices per head,
     sinks and the recent window among them; under AdaKV counts the head-page
     path keeps each head's count."""
-    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.moments import EvictedMoments
 
     gen = torch.Generator().manual_seed(seed)
     inputs = _inputs(gen, heads=3, live=80, window=16)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.policies.allocation import global_top_b
+from vllm_kvevict.eviction.allocation import global_top_b
 from vllm_kvevict.policies.retention_gate import (
     RetentionGateConfig,
     RetentionGates,

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from vllm_kvevict.evaluation.quality import Completion, kl_divergence
+from vllm_kvevict.evaluation.records import RecordLog, SampleRecord, prompt_sha
 from vllm_kvevict.evaluation.ruler import RulerSample
 from vllm_kvevict.evaluation.ruler_eval import (
     GRID_ROW,
     MEAN_ROW,
     EvalRunner,
-    RecordLog,
-    SampleRecord,
     build_samples,
     compare,
     comparison_table,
@@ -28,7 +27,6 @@ from vllm_kvevict.evaluation.ruler_eval import (
     markdown_tables,
     plot_accuracy_vs_kept,
     plot_needle_grid,
-    prompt_sha,
     results_csv,
     signature,
     summarize,

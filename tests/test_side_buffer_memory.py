@@ -161,11 +161,11 @@ def test_positions_are_int32_and_rows_never_grow() -> None:
 def test_slots_eviction_keeps_int64_positions_for_the_policy() -> None:
     """The engine reads the int32 side buffer and hands the policy the same
     int64 positions as before."""
+    from vllm_kvevict.eviction.allocation import UniformAllocation
     from vllm_kvevict.eviction.point import EvictionPoint
     from vllm_kvevict.eviction.select import KeepRule
     from vllm_kvevict.eviction.slots import evict_slots
     from vllm_kvevict.policies import make_policy
-    from vllm_kvevict.policies.allocation import UniformAllocation
     from vllm_kvevict.policies.base import ScoringInputs
 
     heads, dim, bs = 2, 4, 4

@@ -44,9 +44,9 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from vllm_kvevict.moments import EvictedMoments  # noqa: E402
 from vllm_kvevict.triton_kernels import compact_head_pages as chp  # noqa: E402
 from vllm_kvevict.triton_kernels import head_paged_attention as hpa  # noqa: E402
-from vllm_kvevict.eviction.moments import EvictedMoments  # noqa: E402
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 
 # Triton's library was decorated before TRITON_INTERPRET was set: interpreted

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 
 
 @dataclass

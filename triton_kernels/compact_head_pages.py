@@ -19,7 +19,7 @@ describes the heads after it. For each ``(r, h)``:
   at offset ``j % page_size``;
 * the live tokens not kept are folded into ``batch.moments`` row
   ``batch.moment_rows[r]`` (``-1``: none), head ``h``, with Chan et al.'s
-  parallel update (:meth:`~vllm_kvevict.eviction.moments.EvictedMoments.folded`).
+  parallel update (:meth:`~vllm_kvevict.moments.EvictedMoments.folded`).
 
 Every read happens before every write, so destinations may overlap any
 sources (the kept set compacted in place inside the same blocks, or a head

@@ -3,8 +3,9 @@ moments folded into the same softmax.
 
 The storage model and the batch are :class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`'s.
 This file holds the torch reference (the semantics every kernel is tested
-against) and the Triton kernel :func:`head_paged_attention` with the same
-semantics.
+against; its attention is :func:`~vllm_kvevict.triton_kernels.head_paged_torch.attend_head_tokens`,
+which the CPU torch path runs too) and the Triton kernel
+:func:`head_paged_attention` with the same semantics.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import dataclasses
 
 import torch
 
-from vllm_kvevict.cpu_ops import attend_head_tokens
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
+from vllm_kvevict.triton_kernels.head_paged_torch import attend_head_tokens
 
 
 def head_tokens_reference(

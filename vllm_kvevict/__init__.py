@@ -17,12 +17,12 @@ import logging
 import os
 from typing import Any
 
+from vllm_kvevict.backend_name import GPU_BACKEND_NAME
+
 __version__ = "0.1.0"
 
 CPU_BACKEND = "vllm_kvevict.vllm_glue.cpu_backend.KVEvictCPUBackend"
-# On CUDA the backend is a new AttentionBackendEnum member, selected with
-# --attention-backend KVEVICT_TRITON (the CLI does so when eviction is on).
-GPU_BACKEND_NAME = "KVEVICT_TRITON"
+# On CUDA the backend is a new AttentionBackendEnum member, GPU_BACKEND_NAME.
 GPU_BACKEND = "vllm_kvevict.vllm_glue.gpu_backend.KVEvictTritonBackend"
 
 # Set in the environment once the off warning is logged, so the engine and

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm_kvevict.help_format import HelpFormatter
+
 DISTRIBUTION = "vllm-kvevict"
 
 # Subcommands with their own parsers (`kvevict NAME --help`).
@@ -26,19 +28,6 @@ DELEGATED_MODULES = {
 
 # Settings whose None default is resolved from the policy (EvictionConfig._policy_defaults).
 PER_POLICY_DEFAULTS = ("observation_window", "prefill_mode", "head_budget", "moment_correction")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written, and every option's default after its help
-    (unless the help already says it, or there is none to say)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or action.default in (None, False, argparse.SUPPRESS, [], ""):
-            return text
-        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def version() -> str:

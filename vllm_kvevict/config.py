@@ -19,14 +19,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
-from vllm_kvevict.policies.allocation import (
+from vllm_kvevict.eviction.allocation import (
     AdaKVAllocation,
     GlobalAllocation,
     HeadAllocation,
     PyramidAllocation,
     UniformAllocation,
 )
+from vllm_kvevict.policies import POLICIES, EvictionPolicy, make_policy
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 

@@ -4,9 +4,11 @@ Two implementations of one interface (:func:`head_paged_attention`):
 
 * the C++ (OpenMP) kernel ``csrc/head_paged_attention.cpp``, JIT-built on first
   use by :func:`load_cpu_ops` with torch's extension loader;
-* :func:`head_paged_attention_torch`, the same computation in torch: the
-  ``attention_kernel="torch"`` serving path and the fallback when the kernel
-  cannot be built (no compiler, a failed build).
+* :func:`head_paged_attention_torch`, the same computation in torch
+  (:func:`~vllm_kvevict.triton_kernels.head_paged_torch.attend_head_tokens`,
+  which the reference runs too): the ``attention_kernel="torch"`` serving path
+  and the fallback when the kernel cannot be built (no compiler, a failed
+  build).
 
 Both read one layer's cache ``kv_cache [num_blocks, H, 2 * page_size, D]``:
 ``num_blocks * H`` head-pages (``page = block * H + slot``), each a K page then
@@ -23,11 +25,10 @@ on the logical cache.
 The same extension copies a ``head_pages`` compaction's tokens, every KV
 head in one call (``csrc/compact_head_pages.cpp``: :func:`gather_heads`,
 :func:`write_heads`), and ranks a selection's rows (``csrc/select_top.cpp``:
-``top_k_mask``, ``top_k_indices``, called by ``policies/allocation.py``).
+``top_k_mask``, ``top_k_indices``, called by :mod:`vllm_kvevict.top_k`).
 
 Also here, the other torch code of the CPU serving path:
-:func:`attend_head_tokens` (the attention both torch implementations share)
-and :func:`region_attention` (``attention_kernel="torch"`` with ``slots``
+:func:`region_attention` (``attention_kernel="torch"`` with ``slots``
 storage).
 """
 
@@ -50,12 +51,12 @@ import time
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
-from vllm_kvevict.eviction.moments import merge_partial_states
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
+from vllm_kvevict.triton_kernels.head_paged_torch import attend_head_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -450,62 +451,6 @@ def region_attention(
     return out.permute(2, 0, 1, 3).reshape(num_tokens, num_q_heads, head_dim)
 
 
-def attend_head_tokens(
-    query: torch.Tensor,
-    num_kv_heads: int,
-    batch: HeadPagedBatch,
-    read_head_tokens: Callable[[int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Attention over per-head page tables, one (request, KV head) at a time,
-    into ``out [T, Hq, D]`` and ``lse [T, Hq]`` (fp32).
-
-    ``read_head_tokens(r, h, length, region_start, seq_len)`` returns head
-    ``h``'s keys and values: its ``length`` compacted tokens, then its standard
-    slots ``[region_start, seq_len)``; callers differ only in where those live.
-    A protected prefix (``batch.prefix_lens``) is read as the standard slots
-    ``[0, prefix)`` with no compacted tokens, before the rest.
-    """
-    query_start_loc, seq_lens, _, region_start = batch.for_attention()
-    num_q_heads = query.shape[1]
-    group = num_q_heads // num_kv_heads
-    starts = query_start_loc.tolist()
-    seq_list, region_list, lens = seq_lens.tolist(), region_start.tolist(), batch.head_lens.tolist()
-    prefixes = batch.prefix_lens.tolist() if batch.prefix_lens is not None else [0] * len(seq_list)
-    rows = batch.moment_rows.tolist() if batch.has_moments else None
-    for r in range(len(starts) - 1):
-        first, last = starts[r], starts[r + 1]
-        if last == first:
-            continue
-        seq_len, start, prefix = int(seq_list[r]), int(region_list[r]), int(prefixes[r])
-        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)
-        for h in range(num_kv_heads):
-            length = int(lens[r][h])
-            keys, values = read_head_tokens(r, h, length, start, seq_len)
-            if prefix:
-                prefix_keys, prefix_values = read_head_tokens(r, h, 0, 0, prefix)
-                keys, values = torch.cat([prefix_keys, keys]), torch.cat([prefix_values, values])
-                length += prefix
-            q = query[first:last, h * group : (h + 1) * group].float()  # [t, G, D]
-            logits = torch.einsum("tgd,sd->tgs", q, keys.float()) * scale
-            # The prefix and the compacted tokens are visible to every query,
-            # standard slots causally.
-            slot = torch.arange(keys.shape[0], device=query.device) - length + start
-            visible = (slot[None, :] <= positions[:, None]) | (slot[None, :] < start)
-            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-            part_lse = torch.logsumexp(logits, dim=-1)  # [t, G]
-            probs = torch.exp(logits - part_lse.unsqueeze(-1)).nan_to_num(0.0)
-            part_out = torch.einsum("tgs,sd->tgd", probs, values.float())
-            if rows is not None and int(rows[r]) >= 0:
-                assert batch.moments is not None
-                e_out, e_lse = batch.moments[int(rows[r]), h].partial_state(q, scale)
-                part_out, part_lse = merge_partial_states(part_out, part_lse, e_out, e_lse)
-            out[first:last, h * group : (h + 1) * group] = part_out
-            lse[first:last, h * group : (h + 1) * group] = part_lse
-
-
 def _head_rows(
     kv_cache: torch.Tensor,
     half: slice,
@@ -701,7 +646,6 @@ def write_heads(
 __all__ = [
     "BUILD_TIMEOUT_S",
     "KernelStatus",
-    "attend_head_tokens",
     "gather_heads",
     "head_paged_attention",
     "head_paged_attention_torch",

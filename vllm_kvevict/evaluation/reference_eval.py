@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvevict.evaluation.records import RecordLog, SampleRecord, prompt_sha
 from vllm_kvevict.evaluation.ruler import RulerSample
-from vllm_kvevict.evaluation.ruler_eval import RecordLog, SampleRecord, prompt_sha
 from vllm_kvevict.evaluation.settings import ServingSetting, eviction_config
 
 ENGINE = "reference-fp32"

@@ -36,11 +36,10 @@ import hashlib
 import json
 import math
 import shlex
-import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -48,6 +47,7 @@ import numpy as np
 import requests
 
 from vllm_kvevict.evaluation.quality import KL_POSITIONS, Completion, compare_to_full, parse_completion
+from vllm_kvevict.evaluation.records import RecordLog, SampleRecord, prompt_sha
 from vllm_kvevict.evaluation.ruler import DEFAULT_TASKS, RulerSample
 from vllm_kvevict.evaluation.server import scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import (
@@ -84,64 +84,9 @@ GRID_SAMPLES = 3  # per needle depth x length cell
 # ---------------------------------------------------------------- records
 
 
-@dataclass
-class SampleRecord:
-    """One scored completion; a line of samples.jsonl."""
-
-    setting: str
-    signature: str  # what the setting's server was; a record with another is stale
-    length: int
-    task: str
-    index: int
-    prompt_tokens: int
-    prediction: str
-    score: float
-    token_ids: list[int] = field(default_factory=list)
-    kl_positions: int = 0
-    kl_sum: float = 0.0
-    seconds: float = 0.0
-    budget: int | None = None  # tokens per (layer, KV head); None: no eviction or unknown
-    prompt_sha: str = ""  # the prompt and request it answers (another seed: another prompt)
-    tokens_kept: float | None = None  # mean tokens a (layer, KV head) held, this server
-
-    @property
-    def key(self) -> tuple[str, int, str, int]:
-        return (self.setting, self.length, self.task, self.index)
-
-
-def prompt_sha(sample: RulerSample, max_tokens: int, logprobs: int) -> str:
-    text = json.dumps([sample.prompt, min(sample.tokens_to_generate, max_tokens), logprobs])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def signature(setting: ServingSetting, eviction: dict[str, Any] | None, server_args: str) -> str:
     payload = {"url": setting.url, "eviction": eviction, "server_args": server_args if setting.managed else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class RecordLog:
-    """samples.jsonl: appended line by line (thread-safe), read back on resume."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        self.records: dict[tuple[str, int, str, int], SampleRecord] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    record = SampleRecord(**json.loads(line))
-                    self.records[record.key] = record  # the last line of a key wins
-
-    def get(self, key: tuple[str, int, str, int], signature: str, prompt_sha: str) -> SampleRecord | None:
-        record = self.records.get(key)
-        fresh = record is not None and record.signature == signature and record.prompt_sha == prompt_sha
-        return record if fresh else None
-
-    def add(self, record: SampleRecord) -> None:
-        with self.lock:
-            self.records[record.key] = record
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(asdict(record)) + "\n")
 
 
 # ---------------------------------------------------------------- requests
@@ -694,7 +639,7 @@ def _number_list(kind: type) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvevict.cli import HelpFormatter
+    from vllm_kvevict.help_format import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="kvevict eval", description=__doc__.split("\n\n")[0],

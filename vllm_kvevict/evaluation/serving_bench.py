@@ -1062,7 +1062,7 @@ def _workload(args: argparse.Namespace, tokenizer_source: str) -> dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvevict.cli import HelpFormatter
+    from vllm_kvevict.help_format import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="kvevict bench", description=__doc__.split("\n\n")[0],

@@ -309,7 +309,7 @@ SOAK_MAX_MODEL_LEN = 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvevict.cli import HelpFormatter
+    from vllm_kvevict.help_format import HelpFormatter
     from vllm_kvevict.evaluation.settings import add_kv_eviction_config_argument
 
     parser = argparse.ArgumentParser(prog="kvevict soak", description=__doc__.split("\n\n")[0],

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.moments import EvictedMoments
 
 
 class CacheOps(Protocol):

@@ -35,9 +35,9 @@ from vllm_kvevict.eviction.cache_ops import (
 )
 from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
-from vllm_kvevict.policies.allocation import select_top
 from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.schedule import cdiv
+from vllm_kvevict.top_k import select_top
 
 
 @dataclass

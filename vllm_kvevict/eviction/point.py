@@ -11,7 +11,7 @@ import torch
 from vllm_kvevict.policies.base import ScoringInputs
 
 if TYPE_CHECKING:
-    from vllm_kvevict.eviction.moments import EvictedMoments
+    from vllm_kvevict.moments import EvictedMoments
 
 
 @dataclass

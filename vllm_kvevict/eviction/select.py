@@ -18,22 +18,31 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from vllm_kvevict.policies.allocation import (
-    HeadAllocation,
-    allocate_head_tokens,
-    select_top,
-    stack_streams,
-)
+from vllm_kvevict.eviction.allocation import HeadAllocation, allocate_head_tokens, stack_streams
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
-
-if TYPE_CHECKING:
-    from vllm_kvevict.config import EvictionConfig
+from vllm_kvevict.top_k import select_top
 
 logger = logging.getLogger(__name__)
+
+
+class KeepSettings(Protocol):
+    """The settings :meth:`KeepRule.from_config` reads, those of an
+    :class:`~vllm_kvevict.config.EvictionConfig` (the config builds on the
+    engine, so the engine names what it needs instead of importing it)."""
+
+    @property
+    def sink_tokens(self) -> int: ...
+
+    @property
+    def recent_window(self) -> int: ...
+
+    def build_policy(self) -> EvictionPolicy: ...
+
+    def build_allocation(self) -> HeadAllocation: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class KeepRule:
     on_fallback: Callable[[str], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, config: EvictionConfig) -> KeepRule:
+    def from_config(cls, config: KeepSettings) -> KeepRule:
         return cls(
             config.build_policy(), config.build_allocation(), config.sink_tokens,
             config.recent_window,

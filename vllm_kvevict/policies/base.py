@@ -17,7 +17,7 @@ Shapes (one request, one layer)::
     output_projection [Hq, D, d_model] each query head's slice of the layer's
                      output projection W_O (criticalkv), or None
     evicted          the request's row of the evicted-token statistics
-                     (:class:`~vllm_kvevict.eviction.moments.EvictedMoments`,
+                     (:class:`~vllm_kvevict.moments.EvictedMoments`,
                      count [H]), for policies with needs_moments, or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 
 # Key position of padding when heads hold different numbers of live tokens
 # (per-head page tables): after every query, so attention-based scores give it

@@ -6,11 +6,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from vllm_kvevict.policies.allocation import top_k_mask
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.options import build_with_options
 from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
+from vllm_kvevict.top_k import top_k_mask
 
 BASES: dict[str, type[EvictionPolicy]] = {
     "snapkv": SnapKVPolicy,

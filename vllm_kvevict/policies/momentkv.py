@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
+from vllm_kvevict.moments import EvictedMoments, cross_covariance_times
 from vllm_kvevict.policies.base import EvictionPolicy, ScoringInputs
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 

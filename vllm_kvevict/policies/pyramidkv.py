@@ -14,7 +14,7 @@ class PyramidKVPolicy(SnapKVPolicy):
     attention in the first layers is spread over the whole context and in the
     last ones concentrated on a few tokens. The layer budgets are the
     ``pyramid`` head budget
-    (:class:`~vllm_kvevict.policies.allocation.PyramidAllocation`, ``pyramid_beta``),
+    (:class:`~vllm_kvevict.eviction.allocation.PyramidAllocation`, ``pyramid_beta``),
     this policy's default; the request holds what SnapKV's uniform budget
     holds. Like SnapKV it evicts at the end of the prompt by default.
     """

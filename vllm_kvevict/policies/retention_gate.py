@@ -2,7 +2,7 @@
 and KV heads (DBTrimKV, "Make Each Token Count": §2.2 token retention, §4.1
 gates, §4.2 global eviction). The policy side only: the gate and its inference
 score; the global selection is
-:func:`~vllm_kvevict.policies.allocation.global_top_b`. Nothing here knows vLLM.
+:func:`~vllm_kvevict.eviction.allocation.global_top_b`. Nothing here knows vLLM.
 
 A small gate per layer reads the layer's normalised hidden state (the input of
 ``k_proj``) when a token's KV is written and predicts, per KV head, a retention
@@ -118,7 +118,7 @@ class LearnedRetentionPolicy(EvictionPolicy):
     """Learned global eviction (DBTrimKV): a token's worth is its gate's
     retention β raised to the age it will have (the lookahead score, §4.2), one scale for every
     layer and KV head, so the budget is split by one global top-B
-    (``head_budget: global``, :class:`~vllm_kvevict.policies.allocation.GlobalAllocation`).
+    (``head_budget: global``, :class:`~vllm_kvevict.eviction.allocation.GlobalAllocation`).
 
     Options:
         gates: a folder of gate weights, from ``kvevict train-gates`` (config.json

@@ -29,7 +29,7 @@ import torch
 
 from vllm_kvevict.config import EvictionConfig
 from vllm_kvevict.eviction.select import KeepRule, choose_kept
-from vllm_kvevict.eviction.moments import EvictedMoments, cross_covariance_times
+from vllm_kvevict.moments import EvictedMoments, cross_covariance_times
 from vllm_kvevict.policies.base import (
     PADDING_POSITION,
     EvictionPolicy,

@@ -121,7 +121,7 @@ class Progress:
 def build_parser() -> argparse.ArgumentParser:
     """Defaults: the recipe that trained the shipped gates
     (``vllm_kvevict/gates/smollm2-135m-instruct/config.json``, "training")."""
-    from vllm_kvevict.cli import HelpFormatter
+    from vllm_kvevict.help_format import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="kvevict train-gates", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])

@@ -240,7 +240,7 @@ def eviction_platform_rules(
     anything with its fields; ``config``: the ``EvictionConfig``; ``environ``: the
     process's environment (read only: the changes say what to set).
     """
-    from vllm_kvevict import GPU_BACKEND_NAME
+    from vllm_kvevict.backend_name import GPU_BACKEND_NAME
     from vllm_kvevict.vllm_glue.compat import VLLMContractError, check_platform
 
     if platform not in ("cpu", "cuda"):

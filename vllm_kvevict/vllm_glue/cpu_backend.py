@@ -45,7 +45,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.point import EvictionPoint
-from vllm_kvevict.policies.allocation import use_native_selection
+from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
 from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
 from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout

@@ -44,7 +44,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvevict import GPU_BACKEND_NAME
+from vllm_kvevict.backend_name import GPU_BACKEND_NAME
 from vllm_kvevict.vllm_glue.compat import check_gpu_backend_contract
 from vllm_kvevict.vllm_glue.eviction_step import EvictingBuilder, EvictionStepPlan, evicting_spec
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError
-from vllm_kvevict.eviction.moments import Covariance
+from vllm_kvevict.moments import Covariance
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.eviction.cache_ops import CacheOps
-from vllm_kvevict.eviction.moments import EvictedMoments
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 

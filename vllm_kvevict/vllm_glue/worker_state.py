@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_kvevict.config import request_schedule
-from vllm_kvevict.eviction.moments import Covariance, EvictedMoments
 from vllm_kvevict.eviction.point import StreamRows
 from vllm_kvevict.metrics import ProcessMetrics
+from vllm_kvevict.moments import Covariance, EvictedMoments
 from vllm_kvevict.schedule import EvictionSchedule
 from vllm_kvevict.vllm_glue.side_buffers import (
     LOG_BETA_DTYPE,
