@@ -313,7 +313,7 @@ stage2_ops() {
     local out="$RESULTS/stage2.txt" json="$WORK/ops.json" gate
     { echo; echo "## vLLM's ops against torch"; } >> "$out"
     if ! "$PY" scripts/gpu_ops_check.py --json "$json" >> "$out" 2>&1; then
-        step 2 "vLLM's compiled ops" failed "$(tail -1 "$out"); if the cut ops fail, rerun with the uncut ones (README: Running on a GPU)"
+        step 2 "vLLM's compiled ops" failed "$(tail -1 "$out"); if the cut ops fail, rerun with the uncut ones (docs/gpu.md: The GPU check)"
         return 1
     fi
     step 2 "vLLM's compiled ops" passed "$(tail -1 "$out" | sed 's/^gpu_ops_check: //')"

@@ -33,7 +33,7 @@ from vllm_kvevict.vllm_glue.worker_state import (
 )
 
 CPU = torch.device("cpu")
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 
 
 @pytest.fixture(autouse=True)
