@@ -39,9 +39,9 @@ os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 
 SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
 
-# The order the two pytest-xdist workers take files up in (the README's test
-# command: --dist loadfile --no-loadscope-reorder, each file one unit of work,
-# handed to whichever worker is free): the longest first, so that the last
+# The run's order. Under `-n 2 --dist loadfile --no-loadscope-reorder`
+# (tests/README.md) each file is one unit of work, handed to whichever worker
+# is free, in this order: the longest first, so that the last
 # files, short ones, even out the two workers' ends. The builds, then the files
 # that start engines, then files without engines, each group the slowest first
 # (tests/README.md has their times); files not named follow their group's named
