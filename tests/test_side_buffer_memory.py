@@ -75,7 +75,7 @@ def test_formula_on_the_default_model_matches_a_hand_computed_number() -> None:
         **SMOLLM2, rows=256, retained_capacity=512 + 32, query_window=32, query_dtype=torch.float32
     )
     assert got == positions + ring == 616_366_080
-    # The README's worked example is this number.
+    # docs/operations.md's worked example is this number.
     assert "616,366,080" in README.read_text()
 
 
