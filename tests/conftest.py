@@ -46,10 +46,9 @@ SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token reque
 # that start engines, then files without engines, each group the slowest first
 # (tests/README.md has their times); files not named follow their group's named
 # ones in collection order.
-SLOWEST_FIRST = (
-    # the builds: images with buildah, the wheel in a fresh virtualenv
-    "test_images.py",
-    "test_packaging.py",
+# The builds: images with buildah, the wheel in a fresh virtualenv.
+BUILDS = ("test_images.py", "test_packaging.py")
+SLOWEST_FIRST = BUILDS + (
     # engines
     "test_aborts_isolation.py",
     "test_policies_e2e.py",
@@ -88,7 +87,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def rank(item: pytest.Item) -> tuple[int, int]:
         name = item.path.name
-        group = 0 if name in SLOWEST_FIRST[:2] else 1 if starts_engines(item.path) else 2
+        group = 0 if name in BUILDS else 1 if starts_engines(item.path) else 2
         named = SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
         return group, named
 
