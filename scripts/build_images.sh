@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the images with buildah: no daemon, no image registry (bases are local
-# images, --pull=never), vfs storage and chroot isolation, so it runs as root
-# inside a container too. tests/test_images.py runs it.
+# images, --pull=never), vfs storage (by default) and chroot isolation, so it
+# runs as root inside a container too. tests/test_images.py runs it.
 #   bash scripts/build_images.sh TARGET...
 #     base       Debian bookworm (debootstrap --variant=minbase) imported as the
 #                local image debian:bookworm-slim, the base of Dockerfile.cpu
@@ -12,6 +12,13 @@
 #                                           -> localhost/vllm-kvevict:gpu-check
 # Environment:
 #   KVEVICT_BUILDAH_DIR  storage root and run root (default /tmp/kvevict-buildah)
+#   KVEVICT_BUILDAH_DRIVER
+#                        storage driver: vfs (default: works wherever buildah
+#                        runs as root, every layer and container a full copy)
+#                        or overlay (the kernel's overlayfs, which a container
+#                        may not offer: layers hold only their changes, much
+#                        faster). A storage root keeps the driver it was
+#                        created with.
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS, PIP_CERT
 #                        passed to the builds as build arguments (the
 #                        Dockerfiles' defaults: PyPI and PyTorch's CPU index);
@@ -23,6 +30,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${KVEVICT_BUILDAH_DIR:-/tmp/kvevict-buildah}
+DRIVER=${KVEVICT_BUILDAH_DRIVER:-vfs}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 BASE=docker.io/library/debian:bookworm-slim
 STANDIN=localhost/vllm-kvevict:gpu-standin
@@ -31,8 +39,12 @@ STANDIN=localhost/vllm-kvevict:gpu-standin
 for tool in buildah debootstrap; do
   command -v "$tool" >/dev/null || { echo "build_images: $tool is not installed (bash scripts/install_deploy_tools.sh)" >&2; exit 1; }
 done
+case $DRIVER in
+  vfs|overlay) ;;
+  *) echo "build_images: KVEVICT_BUILDAH_DRIVER=$DRIVER: vfs or overlay" >&2; exit 2 ;;
+esac
 mkdir -p "$DIR"
-bh() { buildah --root "$DIR/storage" --runroot "$DIR/run" --storage-driver vfs "$@"; }
+bh() { buildah --root "$DIR/storage" --runroot "$DIR/run" --storage-driver "$DRIVER" "$@"; }
 
 # Build arguments and read-only mounts for pip's settings.
 BUILD_OPTS=(--isolation chroot --pull=never --format docker)
@@ -62,6 +74,7 @@ build_base() {
   rootfs=$(mktemp -d "$DIR/rootfs.XXXXXX")
   debootstrap --variant=minbase bookworm "$rootfs" "$MIRROR" >"$DIR/debootstrap.log" 2>&1 \
     || { tail -n 20 "$DIR/debootstrap.log" >&2; exit 1; }
+  echo "build_images: base: debootstrap in $((SECONDS - start)) s"
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   ctr=$(bh from scratch)
   tar -C "$rootfs" -cf "$DIR/rootfs.tar" .

@@ -1,8 +1,11 @@
 """Both images built with a real builder, and the CPU image served.
 
-buildah builds them through ``scripts/build_images.sh`` (vfs storage, chroot
-isolation, ``--pull=never``) in a private storage root under the temporary
-directory, removed at the end. No image registry is used: the base
+buildah builds them through ``scripts/build_images.sh`` (chroot isolation,
+``--pull=never``) in a private storage root under the temporary directory,
+removed at the end. The storage driver is overlay where a probe (a layer
+committed, a container of it mounted, written and read) passes there, else
+vfs, the script's default, where every layer and container is a full copy (a
+warning says so); KVEVICT_BUILDAH_DRIVER, when set, chooses instead. No image registry is used: the base
 ``debian:bookworm-slim`` is made with ``debootstrap --variant=minbase`` and
 imported. pip inside the builds gets this interpreter's pip settings (index,
 find-links, CA bundle; local ones mounted read-only), so it installs the
@@ -38,8 +41,8 @@ shows ``--kv-eviction``; ``KV_EVICTION`` defaults to ``none``. Not checked:
 the real base (its Python 3.12, upstream vLLM and CUDA torch in place of the
 stand-in's), serving on it, and anything on a GPU.
 
-Marked ``e2e``. Without buildah or debootstrap, or not as root (vfs storage
-and chroot builds need it), the tests skip, unless KVEVICT_REQUIRE_DEPLOY_TOOLS
+Marked ``e2e``. Without buildah or debootstrap, or not as root (the storage
+root and chroot builds need it), the tests skip, unless KVEVICT_REQUIRE_DEPLOY_TOOLS
 is set (CI), where they fail. ``bash scripts/install_deploy_tools.sh`` installs
 the tools.
 """
@@ -55,6 +58,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -99,18 +103,67 @@ def _pip_settings() -> dict[str, str]:
     return settings
 
 
-class Buildah:
-    """buildah on a private vfs storage root."""
+def _buildah_command(directory: Path, driver: str) -> list[str]:
+    return ["buildah", "--root", str(directory / "storage"), "--runroot", str(directory / "run"),
+            "--storage-driver", driver]
 
-    def __init__(self, directory: Path):
+
+def _unmount_under(directory: Path) -> None:
+    """Unmount what is still mounted under ``directory``, deepest first."""
+    top = str(directory.resolve())
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4].replace("\\040", " ") for line in mounts]
+    for point in sorted({p for p in points if p == top or p.startswith(top + "/")}, key=len, reverse=True):
+        subprocess.run(["umount", point], capture_output=True, timeout=60)
+
+
+def _overlay_works(directory: Path) -> str | None:
+    """None where buildah's overlay driver works in ``directory``: a layer
+    committed, then a container of it mounted, read and written. Else why not."""
+    probe = directory / "overlay-probe"
+    command = _buildah_command(probe, "overlay")
+
+    def buildah(*args: str) -> str:
+        proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+            raise RuntimeError(f"buildah {' '.join(args)}: "
+                               + next((line for line in lines if line.startswith("Error:")), lines[-1]))
+        return proc.stdout.strip()
+
+    try:
+        first = buildah("from", "scratch")
+        (Path(buildah("mount", first)) / "lower").write_text("lower")
+        buildah("commit", "--rm", "--quiet", first, "localhost/overlay-probe")
+        second = buildah("from", "--pull=never", "localhost/overlay-probe")
+        mount = Path(buildah("mount", second))
+        assert (mount / "lower").read_text() == "lower", "the committed layer is not seen"
+        (mount / "upper").write_text("upper")
+        assert (mount / "upper").read_text() == "upper"
+        return None
+    except (OSError, RuntimeError, AssertionError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    finally:
+        for args in (("umount", "--all"), ("rm", "--all"), ("rmi", "--all", "--force")):
+            subprocess.run([*command, *args], capture_output=True, timeout=120)
+        _unmount_under(probe)
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+class Buildah:
+    """buildah on a private storage root."""
+
+    def __init__(self, directory: Path, driver: str):
         self.directory = directory
-        self.env = {**os.environ, "KVEVICT_BUILDAH_DIR": str(directory), **_pip_settings()}
+        self.driver = driver
+        self.env = {**os.environ, "KVEVICT_BUILDAH_DIR": str(directory),
+                    "KVEVICT_BUILDAH_DRIVER": driver, **_pip_settings()}
         self.times: dict[str, float] = {}
+        self.steps: list[str] = []  # the script's own timings
 
     @property
     def command(self) -> list[str]:
-        return ["buildah", "--root", str(self.directory / "storage"),
-                "--runroot", str(self.directory / "run"), "--storage-driver", "vfs"]
+        return _buildah_command(self.directory, self.driver)
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
         proc = subprocess.run([*self.command, *args], capture_output=True, text=True, timeout=timeout)
@@ -120,10 +173,18 @@ class Buildah:
 
     def build(self, *targets: str) -> None:
         start = time.monotonic()
-        proc = subprocess.run(["bash", str(BUILD), *targets], env=self.env, capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
-        assert proc.returncode == 0, f"build_images.sh {' '.join(targets)}:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        # A session of its own: on a timeout buildah is killed too, not only bash.
+        with subprocess.Popen(["bash", str(BUILD), *targets], env=self.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) as build:
+            try:
+                stdout, stderr = build.communicate(timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(build.pid, signal.SIGKILL)
+                build.communicate()
+                raise
+        assert build.returncode == 0, f"build_images.sh {' '.join(targets)}:\n{stdout[-6000:]}\n{stderr[-6000:]}"
         self.times[" ".join(targets)] = time.monotonic() - start
+        self.steps += [line for line in stdout.splitlines() if line.startswith("build_images: ")]
 
     def image_config(self, image: str) -> dict:
         """The image's configuration (Docker format: User, Env, Healthcheck...)."""
@@ -137,6 +198,7 @@ class Buildah:
     def cleanup(self) -> None:
         for args in (("umount", "--all"), ("rm", "--all"), ("rmi", "--all", "--force")):
             self(*args, check=False)
+        _unmount_under(self.directory)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -146,14 +208,25 @@ def buildah(tmp_path_factory):
         if shutil.which(tool) is None:
             _unavailable(f"{tool} is not installed: bash scripts/install_deploy_tools.sh")
     if os.geteuid() != 0:
-        _unavailable("building the images needs root (vfs storage, chroot isolation, debootstrap)")
-    builder = Buildah(tmp_path_factory.mktemp("buildah"))
+        _unavailable("building the images needs root (storage root, chroot isolation, debootstrap)")
+    directory = tmp_path_factory.mktemp("buildah")
+    driver = os.environ.get("KVEVICT_BUILDAH_DRIVER", "")
+    if not driver:
+        why_not = _overlay_works(directory)
+        driver = "vfs" if why_not else "overlay"
+        if why_not:
+            warnings.warn(f"buildah's overlay storage does not work here ({why_not}); "
+                          "building on vfs storage (every layer a full copy: slower)", stacklevel=1)
+    builder = Buildah(directory, driver)
     try:
         yield builder
     finally:
         builder.cleanup()
+        print(f"buildah storage driver: {driver}")
         for what, seconds in builder.times.items():
             print(f"build_images.sh {what}: {seconds:.0f} s")
+        for line in builder.steps:
+            print(line)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +238,7 @@ def cpu_image(buildah):
 @pytest.fixture(scope="module")
 def cpu_container(buildah, cpu_image):
     """A container of the CPU image and where its filesystem is mounted (one
-    per module: a vfs container is a full copy of the image)."""
+    per module: on vfs storage a container is a full copy of the image)."""
     container = buildah("from", "--pull=never", cpu_image).strip()
     try:
         yield container, Path(buildah("mount", container).strip())
