@@ -175,6 +175,10 @@ class ProcessMetrics:
                 # Expose 0 from the start: a labelled series that only appears
                 # on its first event reads as "no data", not as zero.
                 self.get(name)
+        # Published at once: an engine started in a process where another one
+        # ran (LLM() after LLM()) replaces that engine's series from its start,
+        # instead of serving them as its own until its first export.
+        self.export(force=True)
 
     def get(self, name: str, **labels: str):
         return self.metrics[name].labels(**self.labels, **labels)
