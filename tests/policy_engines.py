@@ -1,8 +1,8 @@
 """Offline engines of tests/test_policies_e2e.py, one after the other in this
 process: ``python tests/policy_engines.py REQUEST.json``.
 
-The request names the model, the prompt's token ids, the cases (id: eviction
-settings) and the result file. Each case's engine is created, generates the
+The request names the model, the prompt's token ids, the number of tokens to
+generate, the cases (id: eviction settings) and the result file. Each case's engine is created, generates the
 prompt's greedy tokens and is shut down before the next case's; the result
 holds each case's token ids, or the error its engine raised (so one failing
 case fails only its own test). Run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
@@ -18,11 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
-MAX_TOKENS = 72
 POOL_BLOCKS = 160  # above the 128 blocks of one max_model_len request
 
 
-def run_case(model_dir: str, prompt: list[int], eviction: dict) -> list[int]:
+def run_case(model_dir: str, prompt: list[int], max_tokens: int, eviction: dict) -> list[int]:
     """Greedy token ids of ``prompt`` on an engine applying ``eviction``."""
     from vllm import LLM, SamplingParams
 
@@ -37,7 +36,7 @@ def run_case(model_dir: str, prompt: list[int], eviction: dict) -> list[int]:
     try:
         out = llm.generate(
             [{"prompt_token_ids": prompt}],
-            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         )
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -51,7 +50,8 @@ def main(request_path: str) -> None:
     for case, eviction in spec["cases"].items():
         start = time.monotonic()
         try:
-            results[case] = {"tokens": run_case(spec["model_dir"], spec["prompt"], eviction)}
+            tokens = run_case(spec["model_dir"], spec["prompt"], spec["max_tokens"], eviction)
+            results[case] = {"tokens": tokens}
         except Exception:  # noqa: BLE001 - the case's test reports it
             results[case] = {"error": traceback.format_exc()}
         results[case]["seconds"] = time.monotonic() - start

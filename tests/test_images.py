@@ -103,11 +103,6 @@ def _pip_settings() -> dict[str, str]:
     return settings
 
 
-def _buildah_command(directory: Path, driver: str) -> list[str]:
-    return ["buildah", "--root", str(directory / "storage"), "--runroot", str(directory / "run"),
-            "--storage-driver", driver]
-
-
 def _unmount_under(directory: Path) -> None:
     """Unmount what is still mounted under ``directory``, deepest first."""
     top = str(directory.resolve())
@@ -120,34 +115,22 @@ def _unmount_under(directory: Path) -> None:
 def _overlay_works(directory: Path) -> str | None:
     """None where buildah's overlay driver works in ``directory``: a layer
     committed, then a container of it mounted, read and written. Else why not."""
-    probe = directory / "overlay-probe"
-    command = _buildah_command(probe, "overlay")
-
-    def buildah(*args: str) -> str:
-        proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
-            raise RuntimeError(f"buildah {' '.join(args)}: "
-                               + next((line for line in lines if line.startswith("Error:")), lines[-1]))
-        return proc.stdout.strip()
-
+    probe = Buildah(directory / "overlay-probe", "overlay")
     try:
-        first = buildah("from", "scratch")
-        (Path(buildah("mount", first)) / "lower").write_text("lower")
-        buildah("commit", "--rm", "--quiet", first, "localhost/overlay-probe")
-        second = buildah("from", "--pull=never", "localhost/overlay-probe")
-        mount = Path(buildah("mount", second))
+        first = probe("from", "scratch", timeout=120).strip()
+        (Path(probe("mount", first, timeout=120).strip()) / "lower").write_text("lower")
+        probe("commit", "--rm", "--quiet", first, "localhost/overlay-probe", timeout=120)
+        second = probe("from", "--pull=never", "localhost/overlay-probe", timeout=120).strip()
+        mount = Path(probe("mount", second, timeout=120).strip())
         assert (mount / "lower").read_text() == "lower", "the committed layer is not seen"
         (mount / "upper").write_text("upper")
         assert (mount / "upper").read_text() == "upper"
         return None
-    except (OSError, RuntimeError, AssertionError, subprocess.TimeoutExpired) as error:
-        return str(error)
+    except (OSError, AssertionError, subprocess.TimeoutExpired) as error:
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        return next((line for line in lines if line.startswith("Error:")), lines[-1])
     finally:
-        for args in (("umount", "--all"), ("rm", "--all"), ("rmi", "--all", "--force")):
-            subprocess.run([*command, *args], capture_output=True, timeout=120)
-        _unmount_under(probe)
-        shutil.rmtree(probe, ignore_errors=True)
+        probe.cleanup()
 
 
 class Buildah:
@@ -163,7 +146,8 @@ class Buildah:
 
     @property
     def command(self) -> list[str]:
-        return _buildah_command(self.directory, self.driver)
+        return ["buildah", "--root", str(self.directory / "storage"),
+                "--runroot", str(self.directory / "run"), "--storage-driver", self.driver]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
         proc = subprocess.run([*self.command, *args], capture_output=True, text=True, timeout=timeout)

@@ -89,7 +89,7 @@ def served(model_dir, prompt_ids, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("policies_e2e")
     request, result, log = work / "request.json", work / "result.json", work / "engines.log"
     request.write_text(json.dumps({"model_dir": model_dir, "prompt": prompt_ids, "cases": CASES,
-                                   "result": str(result)}))
+                                   "max_tokens": MAX_TOKENS, "result": str(result)}))
     env = dict(
         os.environ,
         PYTHONSAFEPATH="1",  # the repo's triton_kernels/ must not shadow vLLM's
