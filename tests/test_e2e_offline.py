@@ -75,13 +75,13 @@ def _exported(name: str) -> float:
 
 def test_snapkv_finds_needle_streamingllm_does_not(streaming_llm, snapkv_server, tokenizer):
     """At a 512-token budget, SnapKV (served) retrieves a mid-prompt needle in
-    ~2.9k tokens; StreamingLLM (sinks + recent tokens) cannot have kept it."""
+    ~2k tokens; StreamingLLM (sinks + recent tokens) cannot have kept it."""
     from openai import OpenAI
     from vllm import SamplingParams
 
     llm, _ = streaming_llm
     keys = [71432, 28415, 90357]
-    prompts = [needle_prompt(tokenizer, k, depth=d) for k, d in zip(keys, (0.4, 0.5, 0.6))]
+    prompts = [needle_prompt(tokenizer, k, 2000, d) for k, d in zip(keys, (0.4, 0.5, 0.6))]
     streaming = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
     api = OpenAI(base_url=snapkv_server.url + "/v1", api_key="unused", timeout=600)
     snapkv = [

@@ -76,7 +76,7 @@ def test_completions_find_needle_and_free_blocks_while_running(snapkv_server, to
 def test_chat_streaming_and_not(snapkv_server, tokenizer):
     api = client(snapkv_server)
     for key, stream in ((46208, False), (90357, True)):
-        prompt = needle_prompt(tokenizer, key, target_tokens=2900)
+        prompt = needle_prompt(tokenizer, key, target_tokens=1500)
         messages = [{"role": "user", "content": prompt.removesuffix(" The pass key is")}]
         if stream:
             chunks = api.chat.completions.create(
@@ -92,11 +92,11 @@ def test_chat_streaming_and_not(snapkv_server, tokenizer):
 
 
 def test_concurrent_requests_beyond_pool_complete_without_leak(snapkv_server, tokenizer):
-    """Six ~2.9k-token requests (17k tokens of full context, pool 5,120 tokens)
+    """Six ~1.5k-token requests (9k tokens of full context, pool 5,120 tokens)
     run concurrently; all complete and the pool returns to idle."""
     api = client(snapkv_server)
     keys = [13579, 24680, 31415, 27182, 16180, 14142]
-    prompts = [needle_prompt(tokenizer, k, depth=0.2 + 0.1 * i) for i, k in enumerate(keys)]
+    prompts = [needle_prompt(tokenizer, k, 1500, 0.2 + 0.1 * i) for i, k in enumerate(keys)]
     total_tokens = sum(len(tokenizer(p).input_ids) for p in prompts)
     assert total_tokens > snapkv_server.stats()["num_blocks"] * 32
 

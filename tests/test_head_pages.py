@@ -86,12 +86,12 @@ def test_heads_hold_different_lengths_and_blocks_follow_their_sum(head_pages_ser
 
 
 def test_concurrent_requests_read_no_freed_page_and_leak_nothing(head_pages_server, tokenizer):
-    """Six ~2.9k-token prompts (more than the pool) at once, with freed blocks
+    """Six ~1.5k-token prompts (more than the pool) at once, with freed blocks
     and unreferenced head-pages filled with NaN: every request finds its
     needle or at least completes, no attention output reads NaN, and the pool
     and side-buffer rows return to idle."""
     keys = [13579, 24680, 31415, 27182, 16180, 14142]
-    prompts = [needle_prompt(tokenizer, k, depth=0.2 + 0.1 * i) for i, k in enumerate(keys)]
+    prompts = [needle_prompt(tokenizer, k, 1500, 0.2 + 0.1 * i) for i, k in enumerate(keys)]
     assert sum(len(tokenizer(p).input_ids) for p in prompts) > POOL_BLOCKS * BLOCK
     api = _client(head_pages_server)
 

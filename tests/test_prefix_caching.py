@@ -70,7 +70,7 @@ def system_prompt(tokenizer) -> list[int]:
 
 
 def _document(tokenizer, key: int) -> list[int]:
-    return tokenizer(needle_prompt(tokenizer, key, target_tokens=1500)).input_ids
+    return tokenizer(needle_prompt(tokenizer, key, target_tokens=1000)).input_ids
 
 
 def _complete(server, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -89,7 +89,7 @@ def _complete(server, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> li
 @pytest.mark.parametrize("server_name", ["prefix_server", "slots_prefix_server"])
 def test_shared_prefix_is_hit_protected_and_unaltered(server_name, request, model_dir, system_prompt, tokenizer):
     """Two requests with the same 1,024-token system prompt and different
-    ~1.5k-token documents: the second finds the prompt in the cache (vLLM's
+    ~1k-token documents: the second finds the prompt in the cache (vLLM's
     hit counter rises by exactly its 1,024 tokens); both equal the reference
     decoder with the same protection. A third request, the first's again
     after both finished, still hits and repeats the first's tokens: neither
