@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # are filled with NaN and attention outputs are checked for it.
 os.environ.setdefault("KVEVICT_POISON_FREED_BLOCKS", "1")
 
-SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token requests need
+SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~1.5k-token requests need
 
 # The run's order. Under `-n 2 --dist loadfile --no-loadscope-reorder`
 # (tests/README.md) each file is one unit of work, handed to whichever worker
@@ -50,19 +50,21 @@ SERVER_POOL_BLOCKS = 160  # 5120 tokens: fewer than 6 concurrent ~3k-token reque
 BUILDS = ("test_images.py", "test_packaging.py")
 SLOWEST_FIRST = BUILDS + (
     # engines
-    "test_aborts_isolation.py",
-    "test_policies_e2e.py",
     "test_preemption.py",
+    "test_policies_e2e.py",
+    "test_prefix_caching.py",
+    "test_aborts_isolation.py",
     "test_request_inputs.py",
-    "test_per_request.py",
+    "test_triton_path_e2e.py",
+    "test_tensor_parallel.py",
+    "test_eval_bench_e2e.py",
+    "test_learned_e2e.py",
     "test_e2e_offline.py",
+    "test_e2e_serve.py",
+    "test_per_request.py",
     "test_head_pages.py",
     "test_soak.py",
-    "test_eval_bench_e2e.py",
     "test_metrics.py",
-    "test_triton_path_e2e.py",
-    "test_prefix_caching.py",
-    "test_e2e_serve.py",
     # no engine
     "test_cpu_ops_build.py",
     "test_cpu_head_paged_kernel.py",

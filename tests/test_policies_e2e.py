@@ -80,7 +80,7 @@ SHARED_PREFILL = (
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
-    return tokenizer(needle_prompt(tokenizer, 55555, target_tokens=1700)).input_ids
+    return tokenizer(needle_prompt(tokenizer, 55555, target_tokens=1200)).input_ids
 
 
 @pytest.fixture(scope="module")

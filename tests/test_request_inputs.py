@@ -98,7 +98,7 @@ def assert_healthy_and_correct(server, tokenizer) -> None:
     """The engine is alive, answers a long retrieval prompt, and the pool is idle."""
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     reply = served(
-        server, "completions", prompt=needle_prompt(tokenizer, 38294, target_tokens=1500),
+        server, "completions", prompt=needle_prompt(tokenizer, 38294, target_tokens=900),
         max_tokens=8, temperature=0,
     )
     assert "38294" in reply["choices"][0]["text"], reply
@@ -225,7 +225,7 @@ def test_n_greedy_equivalent_children_are_identical(snapkv_server, tokenizer):
     """vLLM rejects greedy n>1 (see above); top_k=1 sampling is greedy with n
     allowed: both children, evicted independently, must equal the n=1 greedy
     answer token for token, across the end-of-prompt and a decode eviction."""
-    prompt = needle_prompt(tokenizer, 47261, target_tokens=1500)
+    prompt = needle_prompt(tokenizer, 47261, target_tokens=900)
     pair = served(
         snapkv_server, "completions", prompt=prompt, max_tokens=48, n=2, temperature=1.0,
         top_k=1, ignore_eos=True, return_token_ids=True,
@@ -259,7 +259,7 @@ def test_logprobs_across_decode_evictions(snapkv_server, tokenizer):
     """Greedy with logprobs=3 over 80 tokens: the end-of-prompt eviction and two
     decode-time ones. Each token has 3 alternatives and is the most likely."""
     reply = served(
-        snapkv_server, "completions", prompt=needle_prompt(tokenizer, 52914, target_tokens=1500),
+        snapkv_server, "completions", prompt=needle_prompt(tokenizer, 52914, target_tokens=900),
         max_tokens=80, logprobs=3, temperature=0, ignore_eos=True,
     )
     choice = reply["choices"][0]
@@ -294,12 +294,12 @@ def test_chat_top_logprobs(snapkv_server):
 def test_prompt_logprobs_of_an_evicted_prompt_equal_full_attention(
     snapkv_server, tokenizer, model_dir
 ):
-    """prompt_logprobs of a 1.5k-token prompt that is evicted at its end (SnapKV,
+    """prompt_logprobs of a 900-token prompt that is evicted at its end (SnapKV,
     end_of_prompt): every prompt token's logprob equals transformers' full-attention one."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    ids = tokenizer(needle_prompt(tokenizer, 29384, target_tokens=1500)).input_ids
+    ids = tokenizer(needle_prompt(tokenizer, 29384, target_tokens=900)).input_ids
     reply = served(
         snapkv_server, "completions", prompt=ids, max_tokens=3, prompt_logprobs=1,
         temperature=0,
@@ -322,7 +322,7 @@ def test_prompt_logprobs_of_an_evicted_prompt_equal_full_attention(
 
 
 def test_echo(snapkv_server, tokenizer):
-    prompt = needle_prompt(tokenizer, 73019, target_tokens=1500)
+    prompt = needle_prompt(tokenizer, 73019, target_tokens=900)
     reply = served(
         snapkv_server, "completions", prompt=prompt, max_tokens=8, echo=True, temperature=0,
     )
@@ -364,7 +364,7 @@ def test_stop_strings_and_stop_token_ids(snapkv_server):
 
 def test_stop_string_after_an_eviction(snapkv_server, tokenizer):
     """The stop string is the needle's tail: found after the prompt was evicted."""
-    prompt = needle_prompt(tokenizer, 58207, target_tokens=1500)
+    prompt = needle_prompt(tokenizer, 58207, target_tokens=900)
     plain = served(snapkv_server, "completions", prompt=prompt, max_tokens=12, temperature=0)
     assert "58207" in plain["choices"][0]["text"]
     reply = served(
@@ -441,7 +441,7 @@ def test_seed_with_temperature_short_prompt(snapkv_server):
 def test_batch_of_prompts(snapkv_server, tokenizer):
     reply = served(
         snapkv_server, "completions",
-        prompt=[SHORT_PROMPT, needle_prompt(tokenizer, 19283, target_tokens=1500)],
+        prompt=[SHORT_PROMPT, needle_prompt(tokenizer, 19283, target_tokens=900)],
         max_tokens=8, temperature=0,
     )
     choices = sorted(reply["choices"], key=lambda c: c["index"])
@@ -507,7 +507,7 @@ def test_chat_with_empty_user_content_and_max_completion_tokens(snapkv_server):
 def test_streaming_n2_with_usage(snapkv_server, tokenizer):
     api = OpenAI(base_url=snapkv_server.url + "/v1", api_key="unused", timeout=600)
     stream = api.completions.create(
-        model="smollm2", prompt=needle_prompt(tokenizer, 80436, target_tokens=1500),
+        model="smollm2", prompt=needle_prompt(tokenizer, 80436, target_tokens=900),
         max_tokens=24, n=2, temperature=0.7, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
