@@ -152,6 +152,22 @@ def test_defaults_and_no_flags():
     }
 
 
+def test_flag_and_config_naming_different_policies_are_refused():
+    """A config written for another policy is not run under the flag's policy
+    with its settings; the same policy, or none in the config, is accepted."""
+    with pytest.raises(KVEvictionConfigError) as error:
+        config_from_cli("snapkv", '{"policy": "h2o", "budget": 256}')
+    message = str(error.value)
+    assert message == (
+        "--kv-eviction snapkv and --kv-eviction-config's policy 'h2o' differ; give one policy: "
+        "--kv-eviction h2o, or a config for snapkv (or one without 'policy')"
+    )
+    with pytest.raises(KVEvictionConfigError, match="policy 'momentkv' differ"):
+        config_from_cli("snapkv", str(Path(__file__).resolve().parent.parent / "configs" / "momentkv.yaml"))
+    assert config_from_cli("h2o", '{"policy": "h2o", "budget": 256}').policy == "h2o"
+    assert config_from_cli("h2o", '{"budget": 256}').budget == 256
+
+
 def test_prefill_mode_defaults_per_policy():
     """prefill_mode defaults to the policy's choice; an explicit value wins."""
     assert config_from_cli("snapkv", None).prefill_mode == "end_of_prompt"
@@ -162,8 +178,9 @@ def test_prefill_mode_defaults_per_policy():
         config_from_cli("streamingllm", '{"prefill_mode": "end_of_prompt"}').prefill_mode
         == "end_of_prompt"
     )
-    # the default follows the policy the flag chose, not the file's
-    assert config_from_cli("streamingllm", '{"policy": "snapkv"}').prefill_mode == "per_chunk"
+    # the default follows the policy, named by the flag or by the file
+    assert config_from_cli("streamingllm", '{"budget": 256}').prefill_mode == "per_chunk"
+    assert config_from_cli(None, '{"policy": "streamingllm"}').prefill_mode == "per_chunk"
     message = _one_line_error(config_from_cli, "snapkv", '{"prefill_mode": "lazy"}')
     assert "prefill_mode" in message and "per_chunk" in message and "end_of_prompt" in message
     # the resolved mode survives the trip through additional_config
@@ -199,15 +216,17 @@ def test_non_string_policy_is_a_config_error():
     _one_line_error(build_config, {"policy": ["snapkv"]})
 
 
-def test_flag_policy_overrides_file(tmp_path):
-    """--kv-eviction wins over the file's policy; the other settings come from the file."""
+def test_flag_policy_with_a_file_of_settings(tmp_path):
+    """--kv-eviction names the policy, the file (without one, or naming the
+    same) the other settings; a file naming another policy is refused
+    (test_flag_and_config_naming_different_policies_are_refused)."""
     path = tmp_path / "evict.yaml"
-    path.write_text("policy: snapkv\nbudget: 256\ndecode_interval: 7\n")
+    path.write_text("budget: 256\ndecode_interval: 7\n")
     config = config_from_cli("streamingllm", str(path))
     assert config.policy == "streamingllm"
     assert config.budget == 256 and config.decode_interval == 7
-    inline = config_from_cli("snapkv", '{"policy": "streamingllm", "budget": 99}')
-    assert inline.policy == "snapkv" and inline.budget == 99
+    path.write_text("policy: streamingllm\nbudget: 99\n")
+    assert config_from_cli("streamingllm", str(path)).budget == 99
 
 
 def test_additional_config_round_trip(tmp_path):
@@ -296,6 +315,20 @@ def test_budget_below_protected_tokens(budget, sink, recent):
     # the boundary itself is fine
     ok = json.dumps({"budget": sink + recent, "sink_tokens": sink, "recent_window": recent})
     assert config_from_cli("streamingllm", ok).budget == sink + recent
+
+
+@pytest.mark.parametrize("budget", [0, -8])
+def test_budget_at_or_below_zero_names_the_floor(budget):
+    """budget 0 names the real floor, sink_tokens + recent_window, not a bound of 1."""
+    message = _one_line_error(config_from_cli, "snapkv", json.dumps({"budget": budget}))
+    assert message.endswith(
+        f"budget {budget} cannot hold sink_tokens (4) + recent_window (32); raise budget to "
+        "at least 36 or shrink the window"
+    ), message
+    message = _one_line_error(
+        config_from_cli, "snapkv", json.dumps({"budget": 0, "sink_tokens": 0, "recent_window": 0})
+    )
+    assert "raise budget to at least 1" in message
 
 
 def test_unknown_key_is_named():

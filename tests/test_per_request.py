@@ -71,6 +71,9 @@ def test_request_settings_are_read_in_both_spellings(extra_args, expected):
         ({"kv_eviction_budget": 64.0}, "kv_eviction_budget must be a whole number of tokens, got 64.0"),
         ({"kv_eviction_budget": True}, "kv_eviction_budget must be a whole number of tokens, got True"),
         ({"kv_eviction": "off", "kv_eviction_budget": 64}, "give either 'kv_eviction' or 'kv_eviction_budget', not both"),
+        # A misspelt key is refused, not served at the server's budget.
+        ({"kv_eviction_budgett": 128}, "unknown per-request setting 'kv_eviction_budgett'; the settings are {\"kv_eviction_budget\": 256} and {\"kv_eviction\": \"off\"}"),
+        ({"kv_eviction_off": 1, "kv_eviction_budget": 64}, "unknown per-request setting 'kv_eviction_off'"),
     ],
 )
 def test_malformed_request_settings_are_refused_with_the_fix(extra_args, message):

@@ -46,7 +46,6 @@ class EvictionConfig(BaseModel):
     policy: str = Field(description="eviction policy: " + ", ".join(sorted(POLICIES)))
     budget: int = Field(
         512,
-        ge=1,
         description="tokens each KV head keeps after an eviction (rounded up to "
         "fill the block the cut falls in, which the request holds anyway)",
     )
@@ -191,11 +190,11 @@ class EvictionConfig(BaseModel):
                 f"unknown eviction policy {self.policy!r}; choose one of: "
                 + ", ".join(sorted(POLICIES))
             )
-        if self.budget < self.sink_tokens + self.recent_window:
+        if self.budget < max(self.sink_tokens + self.recent_window, 1):
             raise ValueError(
                 f"budget {self.budget} cannot hold sink_tokens ({self.sink_tokens}) + "
                 f"recent_window ({self.recent_window}); raise budget to at least "
-                f"{self.sink_tokens + self.recent_window} or shrink the window"
+                f"{max(self.sink_tokens + self.recent_window, 1)} or shrink the window"
             )
         if POLICIES[self.policy].needs_moments and not self.moment_correction:
             raise ValueError(
@@ -421,11 +420,20 @@ def build_config(data: dict[str, Any]) -> EvictionConfig:
 
 
 def config_from_cli(policy: str | None, config_source: str | None) -> EvictionConfig | None:
-    """Combine ``--kv-eviction`` and ``--kv-eviction-config`` (the flag's policy wins)."""
+    """Combine ``--kv-eviction`` and ``--kv-eviction-config``; a config that
+    names another policy than the flag is refused (its settings were meant
+    for that policy)."""
     if policy is None and config_source is None:
         return None
     data = parse_config_source(config_source) if config_source is not None else {}
     if policy is not None:
+        named = data.get("policy")
+        if named is not None and named != policy:
+            raise KVEvictionConfigError(
+                f"--kv-eviction {policy} and --kv-eviction-config's policy {named!r} differ; "
+                f"give one policy: --kv-eviction {named}, or a config for {policy} "
+                f"(or one without 'policy')"
+            )
         data["policy"] = policy
     if "policy" not in data:
         raise KVEvictionConfigError(
@@ -481,7 +489,18 @@ class RequestEviction:
         """Read the request's settings; :class:`KVEvictionConfigError` (one line
         naming the fix) when they are malformed. Limits that depend on the
         server are checked by :meth:`check`."""
-        if not extra_args or (REQUEST_KEY not in extra_args and REQUEST_BUDGET_KEY not in extra_args):
+        if not extra_args:
+            return cls()
+        unknown = sorted(
+            key for key in extra_args
+            if key.startswith(REQUEST_KEY) and key not in (REQUEST_KEY, REQUEST_BUDGET_KEY)
+        )
+        if unknown:
+            raise KVEvictionConfigError(
+                f"unknown per-request setting {unknown[0]!r}; the settings are "
+                f'{{"{REQUEST_BUDGET_KEY}": 256}} and {{"{REQUEST_KEY}": "off"}}'
+            )
+        if REQUEST_KEY not in extra_args and REQUEST_BUDGET_KEY not in extra_args:
             return cls()
         nested, flat = extra_args.get(REQUEST_KEY), extra_args.get(REQUEST_BUDGET_KEY)
         if REQUEST_KEY in extra_args and REQUEST_BUDGET_KEY in extra_args:
