@@ -168,6 +168,30 @@ def test_flag_and_config_naming_different_policies_are_refused():
     assert config_from_cli("h2o", '{"budget": 256}').budget == 256
 
 
+def test_summary_names_the_settings_a_server_runs():
+    """The start-up line: every setting that decides what is kept and where,
+    the defaults resolved (SnapKV evicts at the prompt's end, adaptive head
+    budgets store head pages, learned ranks every layer)."""
+    snapkv = config_from_cli("snapkv", None)
+    assert snapkv.summary("vllm") == (
+        "policy snapkv, budget 512 tokens per KV head (sink 4, recent 32), prefill end_of_prompt, "
+        "decode every 32 steps, storage slots, head budget uniform, attention kernel vllm, "
+        "prefix caching off"
+    )
+    moments = config_from_cli("momentkv", '{"budget": 256, "head_budget": "adaptive"}')
+    assert moments.summary("cpp") == (
+        "policy momentkv, budget 256 tokens per KV head (sink 4, recent 32), prefill end_of_prompt, "
+        "decode every 32 steps, storage head_pages, head budget adaptive, moment correction full, "
+        "attention kernel cpp, prefix caching off"
+    )
+    chunked = config_from_cli(
+        "streamingllm", '{"prefill_interval": 1024, "prefix_caching": "shared", "max_protected_prefix_tokens": 256}'
+    )
+    assert "prefill per_chunk every 1024 tokens," in chunked.summary("vllm")
+    assert chunked.summary("vllm").endswith("prefix caching shared, up to 256 tokens protected")
+    assert ", storage global, head budget global," in config_from_cli("learned", None).summary("torch")
+
+
 def test_prefill_mode_defaults_per_policy():
     """prefill_mode defaults to the policy's choice; an explicit value wins."""
     assert config_from_cli("snapkv", None).prefill_mode == "end_of_prompt"

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from helpers import SNAPKV_SERVER_CONFIG, engine_cores, needle_prompt
+from helpers import SNAPKV_SERVER_CONFIG, engine_cores, kvevict_samples, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -154,3 +154,20 @@ def test_engine_runs_on_the_workers_core(snapkv_server):
     assert len(workers) == 1, [(p.pid, p.name()) for p in workers]
     threads = {thread.id: os.sched_getaffinity(thread.id) for thread in workers[0].threads()}
     assert threads and all(allowed == cores for allowed in threads.values()), (cores, threads)
+
+
+def test_start_up_log_names_the_settings_served(snapkv_server):
+    """The worker logs, once, the settings it serves (the config's defaults
+    resolved, the attention kernel chosen) in vLLM's log format, and the
+    kernel named there is the one kvevict_attention_kernel reports."""
+    from vllm_kvevict.config import build_config
+    from vllm_kvevict.evaluation.server import scrape
+
+    lines = [line for line in snapkv_server.log_path.read_text().splitlines() if "KV eviction: policy" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("(Worker pid=") and " INFO " in lines[0], lines[0]
+    samples = kvevict_samples(scrape(snapkv_server.url))
+    kernels = [dict(labels)["kernel"] for (name, labels), value in samples.items()
+               if name == "kvevict_attention_kernel" and value == 1]
+    assert kernels == ["vllm"], kernels
+    assert lines[0].endswith("KV eviction: " + build_config(SNAPKV_SERVER_CONFIG).summary("vllm")), lines[0]

@@ -268,6 +268,31 @@ class EvictionConfig(BaseModel):
             return self.needs_head_pages
         return self.storage == "head_pages"
 
+    @property
+    def storage_name(self) -> str:
+        """How a request's retained tokens are stored: ``slots`` (vLLM's pages,
+        compacted), ``head_pages`` (a page table per layer and KV head) or
+        ``global`` (head pages ranked across every layer)."""
+        return "global" if self.pools_layers else "head_pages" if self.uses_head_pages else "slots"
+
+    def summary(self, attention_kernel: str) -> str:
+        """The settings a server runs, in one line (its start-up log), with the
+        attention kernel that serves them (``attention_kernel`` resolved)."""
+        prefill = self.prefill_mode
+        if self.prefill_mode == "per_chunk" and self.prefill_interval:
+            prefill += f" every {self.prefill_interval} tokens"
+        prefix = (
+            f"shared, up to {self.max_protected_prefix_tokens} tokens protected"
+            if self.prefix_caching == "shared" else "off"
+        )
+        moments = f", moment correction {self.moment_covariance}" if self.moment_correction else ""
+        return (
+            f"policy {self.policy}, budget {self.budget} tokens per KV head (sink {self.sink_tokens}, "
+            f"recent {self.recent_window}), prefill {prefill}, decode every {self.decode_interval} "
+            f"steps, storage {self.storage_name}, head budget {self.head_budget}{moments}, "
+            f"attention kernel {attention_kernel}, prefix caching {prefix}"
+        )
+
     def kernel_for(self, device_type: str) -> Literal["native", "torch", "triton"]:
         """The attention kernel on ``device_type`` ("cpu" or "cuda"): ``auto``
         resolved (native on CPU, triton on CUDA)."""

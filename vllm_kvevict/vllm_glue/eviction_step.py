@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -60,6 +61,9 @@ from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
 from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
 from vllm_kvevict.vllm_glue.side_buffers import side_buffer_layout
 from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState, adopt_worker_state
+
+# A child of vLLM's logger: its lines carry vLLM's format, level and handler.
+logger = init_logger(f"vllm.{__name__}")
 
 Storage = Literal["slots", "head_pages", "global"]
 Kernel = Literal["native", "torch", "triton"]
@@ -328,6 +332,8 @@ class EvictingBuilder:
         if metrics is not None:
             metrics.get("kvevict_attention_kernel", rank=self.state.rank_label, kernel=kernel).set(1)
             metrics.export(force=True)
+        if self.state.counts_evictions:  # rank 0: one line per engine and kernel
+            logger.info_once("KV eviction: %s", self.config.summary(kernel))
 
     def step_batch(self, cm: CommonAttentionMetadata) -> BatchContext | None:
         """The requests of the step whose metadata is being built, or None

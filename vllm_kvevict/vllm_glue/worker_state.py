@@ -57,7 +57,7 @@ from vllm_kvevict.vllm_glue.snapshot import SnapshotWriter
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's format, level and handler
 
 
 @dataclass
