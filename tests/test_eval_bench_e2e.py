@@ -74,6 +74,7 @@ def test_eval_against_a_running_server_scores_with_rulers_metric_and_resumes(sna
         sample = samples[record["task"]]
         assert record["prompt_tokens"] == sample.prompt_tokens
         assert record["score"] == score_prediction(sample.metric, record["prediction"], sample.answers)
+        assert record["answers"] == sample.answers  # the expected answer beside the output
         assert record["tokens_kept"] is not None  # the server's retained-tokens histogram
     summary = list(csv.DictReader((out / "results.csv").open()))[0]
     scores = {r["task"]: r["score"] for r in records}

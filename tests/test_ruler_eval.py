@@ -67,6 +67,20 @@ def test_record_log_resumes_and_drops_stale_settings_and_prompts(tmp_path) -> No
     assert again.get(("a", 4096, "vt", 1), "old", "p1").score == 0.0
 
 
+def test_record_log_keeps_the_expected_answers_and_reads_older_lines(tmp_path) -> None:
+    """Each line holds the references its prediction was scored against; a
+    line written before they were recorded still resumes (with none)."""
+    import json
+
+    log = RecordLog(tmp_path / "samples.jsonl")
+    log.add(record("a", "vt", 0, 100.0, prompt_sha="p0", answers=["XKCD", "QWERTY"]))
+    line = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert line["answers"] == ["XKCD", "QWERTY"]
+    older = {k: v for k, v in line.items() if k != "answers"}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(older) + "\n")
+    assert RecordLog(tmp_path / "samples.jsonl").get(("a", 4096, "vt", 0), "s", "p0").answers == []
+
+
 def test_prompt_hash_changes_with_the_prompt_and_the_request() -> None:
     sample = RulerSample("vt", 0, "prompt", ["x"], 100, 30, "string_match_all")
     other = RulerSample("vt", 0, "prompt!", ["x"], 100, 30, "string_match_all")
@@ -382,6 +396,7 @@ def test_reference_engine_scores_each_setting_like_its_own_decode_and_resumes(
         record = records[setting.name]
         assert record.token_ids == alone
         assert record.score == samples[0].score(tokenizer.decode(alone, skip_special_tokens=True))
+        assert record.answers == samples[0].answers
     lines = (tmp_path / "samples.jsonl").read_text().splitlines()
     ReferenceEvalRunner(tmp_path, tokenizer, model_dir, max_new_tokens=12, progress=False).run(
         settings, {768: samples}

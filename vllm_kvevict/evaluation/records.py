@@ -33,6 +33,7 @@ class SampleRecord:
     budget: int | None = None  # tokens per (layer, KV head); None: no eviction or unknown
     prompt_sha: str = ""  # the prompt and request it answers (another seed: another prompt)
     tokens_kept: float | None = None  # mean tokens a (layer, KV head) held, this server
+    answers: list[str] = field(default_factory=list)  # the references the prediction is scored against
 
     @property
     def key(self) -> tuple[str, int, str, int]:

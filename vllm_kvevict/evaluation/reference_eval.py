@@ -129,5 +129,5 @@ class ReferenceEvalRunner:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             self.log.add(SampleRecord(
                 setting.name, sig, length, sample.task, sample.index, sample.prompt_tokens, text,
-                sample.score(text), tokens, 0, 0.0, seconds, budget, sha, None,
+                sample.score(text), tokens, 0, 0.0, seconds, budget, sha, None, list(sample.answers),
             ))

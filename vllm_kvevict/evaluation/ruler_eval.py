@@ -225,6 +225,7 @@ class EvalRunner:
                 setting.name, sig, length, sample.task, sample.index, sample.prompt_tokens,
                 completion.text, sample.score(completion.text), completion.token_ids,
                 positions, kl_sum, completion.seconds, budget, self._prompt_sha(sample), kept,
+                list(sample.answers),
             )
             self.log.add(record)
             bar.update()

@@ -82,8 +82,9 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         return
     group = parser.add_argument_group(
         "KV-cache eviction (vllm-kvevict)",
-        "Hold each request's KV cache to a budget by evicting tokens after each "
-        "prefill chunk and every N decode steps; freed blocks return to vLLM's pool, "
+        "Hold each request's KV cache to a budget by evicting tokens at the prompt's "
+        "end or after each prefill chunk (prefill_mode, by default the policy's) and "
+        "every N decode steps; freed blocks return to vLLM's pool, "
         "so requests longer than the KV memory are admitted. Prefix caching is "
         "turned off (evicted blocks cannot be shared) unless prefix_caching is "
         "'shared', which protects each prompt's first blocks from eviction.",
