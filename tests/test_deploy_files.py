@@ -287,6 +287,28 @@ def test_promtool_checks_the_scrape_config():
     assert [t.rsplit(":", 1)[1] for c in job["static_configs"] for t in c["targets"]] == ["8000"]
 
 
+def test_alert_rules_fire_on_their_synthetic_series_and_only_there(tmp_path):
+    """promtool's rule tests (deploy/prometheus/kvevict-alerts.test.yml): each
+    alert fires on the series it is about, after its hold time, with its
+    annotations as written, and not on the series beside it. The harness
+    fails a rule that no longer fires: the fallback alert's threshold raised."""
+    promtool = tool("promtool")
+    rules_dir = DEPLOY / "prometheus"
+    proc = run(promtool, "test", "rules", str(rules_dir / "kvevict-alerts.test.yml"), check=False)
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+    rules = yaml.safe_load((rules_dir / "kvevict-alerts.yml").read_text())
+    names = [r.get("alert") for r in rules["groups"][0]["rules"] if "alert" in r]
+    tested = {t["alertname"] for case in yaml.safe_load(
+        (rules_dir / "kvevict-alerts.test.yml").read_text())["tests"] for t in case.get("alert_rule_test", [])}
+    assert set(names) == tested, (names, tested)
+    broken = (rules_dir / "kvevict-alerts.yml").read_text().replace(
+        "(increase(kvevict_eviction_fallbacks_total[10m])) > 0", "(increase(kvevict_eviction_fallbacks_total[10m])) > 5")
+    assert broken != (rules_dir / "kvevict-alerts.yml").read_text()
+    (tmp_path / "kvevict-alerts.yml").write_text(broken)
+    shutil.copy(rules_dir / "kvevict-alerts.test.yml", tmp_path / "kvevict-alerts.test.yml")
+    assert run(promtool, "test", "rules", str(tmp_path / "kvevict-alerts.test.yml"), check=False).returncode != 0
+
+
 def test_every_dashboard_query_parses_with_promtool(tmp_path):
     promtool = tool("promtool")
     queries = dashboard_queries()
