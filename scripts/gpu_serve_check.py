@@ -452,10 +452,10 @@ def http_extras(server: Any, request: dict[str, Any], complete: Any) -> list[str
     for name in ("kvevict_blocks_freed_total", "kvevict_eviction_events_total"):
         if not sum(v for _, v in samples.get(name, [])) > 0:
             failures.append(f"(e) /metrics: {name} is not above 0")
-    kernels = [labels.get("kernel") for labels, value in samples.get("kvevict_attention_kernel", []) if value == 1]
+    kernels = [labels.get("kernel") for labels, value in samples.get("kvevict_attention_kernel_info", []) if value == 1]
     want = "triton" if _cuda_available() else None
     if not kernels or (want and kernels != [want]):
-        failures.append(f"(e) /metrics: kvevict_attention_kernel says {kernels}, expected {[want] if want else 'one'}")
+        failures.append(f"(e) /metrics: kvevict_attention_kernel_info says {kernels}, expected {[want] if want else 'one'}")
     return failures
 
 

@@ -158,8 +158,9 @@ def test_engine_runs_on_the_workers_core(snapkv_server):
 
 def test_start_up_log_names_the_settings_served(snapkv_server):
     """The worker logs, once, the settings it serves (the config's defaults
-    resolved, the attention kernel chosen) in vLLM's log format, and the
-    kernel named there is the one kvevict_attention_kernel reports."""
+    resolved, the attention kernel chosen) in vLLM's log format; the kernel
+    named there is the one kvevict_attention_kernel_info reports, and
+    kvevict_config_info carries the same settings as labels."""
     from vllm_kvevict.config import build_config
     from vllm_kvevict.evaluation.server import scrape
 
@@ -168,6 +169,13 @@ def test_start_up_log_names_the_settings_served(snapkv_server):
     assert lines[0].startswith("(Worker pid=") and " INFO " in lines[0], lines[0]
     samples = kvevict_samples(scrape(snapkv_server.url))
     kernels = [dict(labels)["kernel"] for (name, labels), value in samples.items()
-               if name == "kvevict_attention_kernel" and value == 1]
+               if name == "kvevict_attention_kernel_info" and value == 1]
     assert kernels == ["vllm"], kernels
-    assert lines[0].endswith("KV eviction: " + build_config(SNAPKV_SERVER_CONFIG).summary("vllm")), lines[0]
+    config = build_config(SNAPKV_SERVER_CONFIG)
+    assert lines[0].endswith("KV eviction: " + config.summary("vllm")), lines[0]
+    # kvevict_config_info: the same settings as labels, once.
+    infos = [(dict(labels), value) for (name, labels), value in samples.items() if name == "kvevict_config_info"]
+    assert len(infos) == 1 and infos[0][1] == 1, infos
+    labels = infos[0][0]
+    assert {k: labels[k] for k in config.info_labels("vllm")} == config.info_labels("vllm")
+    assert labels["policy"] == "snapkv" and labels["storage"] == "slots" and labels["budget"] == "512"

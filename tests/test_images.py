@@ -24,7 +24,7 @@ CPU image (``Dockerfile.cpu``), checked:
   policy (snapkv) and AdaKV's per-head budgets (``configs/adakv_snapkv.yaml``:
   head-paged storage, the layout the C++ kernel serves); a completion whose
   prompt is longer than the budget; ``/metrics`` shows eviction events and
-  ``kvevict_attention_kernel`` with ``kernel="cpp"``; the server's processes
+  ``kvevict_attention_kernel_info`` with ``kernel="cpp"``; the server's processes
   run as the image's user, not root; the kernel cache is unchanged by the
   start (loaded, not rebuilt) and the log has no kernel warning; the image's
   HEALTHCHECK command succeeds.
@@ -354,7 +354,7 @@ def test_cpu_image_serves_with_eviction_and_the_cpp_kernel(buildah, cpu_image, c
                    for s in family.samples]
         events = sum(s.value for s in samples if s.name == "kvevict_eviction_events_total")
         assert events > 0, [s for s in samples if s.name.startswith("kvevict_")]
-        kernels = {s.labels["kernel"]: s.value for s in samples if s.name == "kvevict_attention_kernel"}
+        kernels = {s.labels["kernel"]: s.value for s in samples if s.name == "kvevict_attention_kernel_info"}
         assert kernels and kernels.get("cpp") == 1 and all(
             v == 0 for k, v in kernels.items() if k != "cpp"), kernels
 

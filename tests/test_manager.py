@@ -46,6 +46,15 @@ def make_manager(spec: EvictingAttentionSpec, num_blocks: int = 400) -> Eviction
     )
 
 
+def series(manager: EvictionManager, sample: str, **labels: str) -> float:
+    """A sample of the manager's own Prometheus registry (0 when absent)."""
+    for metric in manager.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
 def test_registry_resolves_our_manager_and_merge_keeps_fields():
     register_spec()
     spec = make_spec("end_of_prompt")
@@ -89,6 +98,11 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed, protected):
         step = min(rng.randint(1, 64), prompt_len - n) if n < prompt_len else 1
         manager.remove_skipped_blocks(req, n, prompt_len)
         last_processed = n
+        # What the metrics say against the schedule: the tokens between the
+        # protected prefix and the frontier are dropped; without eviction the
+        # request would hold every processed token's block.
+        assert series(manager, "kvevict_tokens_evicted_total") == schedule.frontier(n, prompt_len) - prefix_blocks * 16
+        assert series(manager, "kvevict_blocks_held_without_eviction") == cdiv(n, 16)
         if n and schedule.frontier(n, prompt_len) // 16 > freed_blocks:
             freed_blocks = schedule.frontier(n, prompt_len) // 16
             expected_free_points.append(n)
@@ -113,6 +127,9 @@ def test_manager_frees_exactly_the_blocks_below_the_frontier(seed, protected):
     manager.free(req)
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     assert manager.stats.blocks_held == 0
+    assert series(manager, "kvevict_blocks_held_without_eviction") == 0
+    assert series(manager, "kvevict_requests_by_setting_total", setting="server") == 1
+    assert series(manager, "kvevict_requests_by_setting_total", setting="own_budget") == 0
     trace = manager.stats.as_dict()["recent_requests"][-1]
     assert trace["request_id"] == req and trace["prompt_len"] == prompt_len
     assert trace["free_points"] == expected_free_points[: manager.stats.MAX_FREE_POINTS]

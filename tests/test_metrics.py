@@ -139,7 +139,11 @@ def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
         return total(after, name) - total(before, name)
 
     assert delta("kvevict_blocks_freed_total") == expected_freed
+    # slots storage: the frontier is whole blocks, each freed block 32 tokens dropped
+    assert delta("kvevict_tokens_evicted_total") == expected_freed * BLOCK
     assert delta("kvevict_requests_admitted_total") == len(workload)
+    assert total(after, "kvevict_requests_by_setting_total", setting="server") - total(
+        before, "kvevict_requests_by_setting_total", setting="server") == len(workload)
     assert delta("kvevict_requests_admitted_beyond_memory_total") == 0  # end_of_prompt holds it
     assert delta("kvevict_eviction_events_total") == expected_events
     # One step per eviction here (requests ran alone), each timed once; every
@@ -149,7 +153,7 @@ def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
     assert delta("kvevict_head_retained_tokens_count") == expected_events * NUM_LAYERS * NUM_KV_HEADS
     # Idle: nothing held, nothing retained.
     for name in ("kvevict_logical_tokens", "kvevict_retained_tokens", "kvevict_blocks_held",
-                 "kvevict_layer_retained_tokens"):
+                 "kvevict_blocks_held_without_eviction", "kvevict_layer_retained_tokens"):
         assert total(after, name) == 0, name
     assert total(after, "kvevict_compression_ratio") == 1.0
     labels = {dict(labels)["model_name"] for _, labels in after}
@@ -157,7 +161,7 @@ def test_served_series_equal_independent_counts(snapkv_server, tokenizer):
     side = total(after, "kvevict_side_buffer_bytes", rank="0")
     assert side == server.worker_stats()["side_buffer_bytes"] > 0
     # slots storage with the native kernel: vLLM's own attention kernel serves.
-    assert total(after, "kvevict_attention_kernel", rank="0", kernel="vllm") == 1
+    assert total(after, "kvevict_attention_kernel_info", rank="0", kernel="vllm") == 1
     assert total(after, "kvevict_eviction_fallbacks_total") == 0
 
 

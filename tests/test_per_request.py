@@ -10,11 +10,12 @@ refusal a 400; with head_pages storage (the shared head_pages server), a request
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG
+from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, kvevict_samples
 
 from vllm_kvevict.config import (
     KVEvictionConfigError,
@@ -22,6 +23,7 @@ from vllm_kvevict.config import (
     build_config,
     request_schedule,
 )
+from vllm_kvevict.evaluation.server import scrape
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 
 SERVER = {"policy": "snapkv", "budget": 256}
@@ -338,10 +340,18 @@ def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
         "off": ({"kv_eviction": "off"}, None),
     }
     prompts = _prompts_of_distinct_lengths(tokenizer, rng, list(cases))
+    before = kvevict_samples(scrape(per_request_server.url))
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(_complete, per_request_server, prompts[name], xargs) for name, (xargs, _) in cases.items()}
         served = {name: future.result() for name, future in futures.items()}
     stats, _ = per_request_server.wait_idle()
+    time.sleep(0.5)  # past the metrics' export throttle
+    after = kvevict_samples(scrape(per_request_server.url))
+    by_setting = {
+        dict(labels)["setting"]: value - before.get((name, labels), 0)
+        for (name, labels), value in after.items() if name == "kvevict_requests_by_setting_total"
+    }
+    assert by_setting == {"server": 0, "own_budget": 2, "off": 1}, by_setting
     assert stats["max_admission_blocks_per_request"] is None  # end_of_prompt: whole prompts
     traces = {t["prompt_len"]: t for t in stats["recent_requests"]}
     schedule = build_config(E2E_SERVER).schedule(BS, 512)
@@ -368,6 +378,7 @@ def test_requests_with_their_own_budgets_and_an_opted_out_one_share_a_batch(
         ({"kv_eviction_budget": "64"}, "kv_eviction_budget must be a whole number of tokens, got '64'"),
         ({"kv_eviction": "sometimes"}, 'kv_eviction must be "off" or a mapping'),
         ({"kv_eviction": "off", "kv_eviction_budget": 64}, "not both"),
+        ({"kv_eviction_budgett": 128}, "unknown per-request setting 'kv_eviction_budgett'"),
     ],
 )
 def test_invalid_settings_are_a_400_and_the_server_serves_on(per_request_server, tokenizer, xargs, message):

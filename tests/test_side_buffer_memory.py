@@ -329,7 +329,7 @@ def test_served_worker_adopts_max_num_seqs_rows(model_dir: str, tmp_path: Path) 
     --max-num-seqs 8 allocated before the KV cache (adopted, not allocated
     again), the formula's bytes, unchanged by a request."""
     import requests
-    from helpers import SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args
+    from helpers import SNAPKV_SERVER_CONFIG, VllmServer, eviction_server_args, kvevict_samples
 
     server = VllmServer(
         model_dir, eviction_server_args(SNAPKV_SERVER_CONFIG, 160),
@@ -340,6 +340,21 @@ def test_served_worker_adopts_max_num_seqs_rows(model_dir: str, tmp_path: Path) 
         expected = side_buffer_bytes(30, 3, 9, 64, 8, 512 + 32, 32, torch.float32)
         worker = server.worker_stats()
         assert worker["rows_allocated"] == 8 and worker["side_buffer_bytes"] == expected
+        # A fresh server exports every scheduler-side series at 0 before its
+        # first request (a counter that appears on its first increase loses
+        # that increase to rate(), and dashboards read "no data").
+        from vllm_kvevict.evaluation.server import scrape
+        from vllm_kvevict.metrics import ENGINE_METRICS, REQUEST_SETTING_LABELS
+
+        fresh = kvevict_samples(scrape(server.url))
+        names = {name for name, _ in fresh}
+        for name, definition in ENGINE_METRICS.items():
+            exposed = f"{name}_total" if definition.kind == "counter" else name
+            assert exposed in names, (exposed, sorted(names))
+        by_setting = {dict(labels)["setting"]: value for (name, labels), value in fresh.items()
+                      if name == "kvevict_requests_by_setting_total"}
+        assert by_setting == dict.fromkeys(REQUEST_SETTING_LABELS, 0), by_setting
+        assert sum(v for (name, _), v in fresh.items() if name == "kvevict_requests_admitted_total") == 0
         reply = requests.post(server.url + "/v1/completions", timeout=120, json={
             "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
         })

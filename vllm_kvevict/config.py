@@ -293,6 +293,17 @@ class EvictionConfig(BaseModel):
             f"attention kernel {attention_kernel}, prefix caching {prefix}"
         )
 
+    def info_labels(self, attention_kernel: str) -> dict[str, str]:
+        """:meth:`summary`'s settings as the labels of ``kvevict_config_info``."""
+        return {
+            "budget": str(self.budget), "sink_tokens": str(self.sink_tokens),
+            "recent_window": str(self.recent_window), "prefill_mode": self.prefill_mode,
+            "decode_interval": str(self.decode_interval), "storage": self.storage_name,
+            "head_budget": self.head_budget,
+            "moment_correction": self.moment_covariance if self.moment_correction else "off",
+            "attention_kernel": attention_kernel, "prefix_caching": self.prefix_caching,
+        }
+
     def kernel_for(self, device_type: str) -> Literal["native", "torch", "triton"]:
         """The attention kernel on ``device_type`` ("cpu" or "cuda"): ``auto``
         resolved (native on CPU, triton on CUDA)."""

@@ -57,6 +57,15 @@ TOKEN_BUCKETS = (
 )
 
 
+# kvevict_requests_by_setting's settings: the server's, the request's own budget, off.
+REQUEST_SETTING_LABELS = ("server", "own_budget", "off")
+# kvevict_config_info's labels: EvictionConfig.info_labels.
+CONFIG_INFO_LABELS = (
+    "budget", "sink_tokens", "recent_window", "prefill_mode", "decode_interval", "storage",
+    "head_budget", "moment_correction", "attention_kernel", "prefix_caching",
+)
+
+
 @dataclass(frozen=True)
 class MetricDef:
     kind: str  # gauge | counter | histogram
@@ -83,8 +92,22 @@ ENGINE_METRICS = {
         "gauge", "Tokens of the protected prompt prefixes the running requests hold "
         "(prefix_caching shared; each shared block counted once), on top of their budgets."
     ),
+    "kvevict_blocks_held_without_eviction": MetricDef(
+        "gauge", "KV-cache blocks the running requests would hold with every token they "
+        "processed kept (their logical context in blocks): beside kvevict_blocks_held, the "
+        "memory eviction saves.",
+    ),
     "kvevict_blocks_freed": MetricDef(
         "counter", "KV-cache blocks returned to vLLM's pool by eviction while requests ran."
+    ),
+    "kvevict_tokens_evicted": MetricDef(
+        "counter", "Tokens dropped from the running requests' contexts by eviction (per KV "
+        "head; a preempted request that recomputes drops its tokens again)."
+    ),
+    "kvevict_requests_by_setting": MetricDef(
+        "counter", "Requests admitted, by the eviction they run with: the server's settings, "
+        "their own budget (kv_eviction_budget), or off (kv_eviction \"off\").",
+        labels=("setting",),
     ),
     "kvevict_requests_admitted": MetricDef("counter", "Requests admitted (preempted ones again)."),
     "kvevict_requests_admitted_beyond_memory": MetricDef(
@@ -118,7 +141,13 @@ WORKER_METRICS = {
         "instead of the policy's choice, because its scoring raised or gave non-finite scores.",
         labels=("reason",),
     ),
-    "kvevict_attention_kernel": MetricDef(
+    "kvevict_config_info": MetricDef(
+        "gauge", "1, labelled with the eviction settings this engine serves (policy, budget, "
+        "prefill mode, decode interval, storage, head budget, moment correction, attention "
+        "kernel, prefix caching): the start-up log line's settings.",
+        labels=CONFIG_INFO_LABELS,
+    ),
+    "kvevict_attention_kernel_info": MetricDef(
         "gauge", "1 for the attention kernel serving this rank's evicting layers "
         "(vllm: vLLM's own; cpp: the plugin's C++ kernel; torch: the torch fallback; "
         "triton: the Triton kernels).",

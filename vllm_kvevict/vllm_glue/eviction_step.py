@@ -326,13 +326,16 @@ class EvictingBuilder:
         return True
 
     def publish_attention_kernel(self, kernel: str) -> None:
-        """``kvevict_attention_kernel{kernel}`` 1 for the kernel that serves
-        this rank's evicting layers (vllm, cpp, torch or triton)."""
+        """``kvevict_attention_kernel_info{kernel}`` 1 for the kernel that serves
+        this rank's evicting layers (vllm, cpp, torch or triton); from rank 0,
+        the settings served: ``kvevict_config_info`` and one log line."""
         metrics = self.state.metrics
         if metrics is not None:
-            metrics.get("kvevict_attention_kernel", rank=self.state.rank_label, kernel=kernel).set(1)
+            metrics.get("kvevict_attention_kernel_info", rank=self.state.rank_label, kernel=kernel).set(1)
+            if self.state.counts_evictions:
+                metrics.get("kvevict_config_info", **self.config.info_labels(kernel)).set(1)
             metrics.export(force=True)
-        if self.state.counts_evictions:  # rank 0: one line per engine and kernel
+        if self.state.counts_evictions:  # one line per engine and kernel
             logger.info_once("KV eviction: %s", self.config.summary(kernel))
 
     def step_batch(self, cm: CommonAttentionMetadata) -> BatchContext | None:

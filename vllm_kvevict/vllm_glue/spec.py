@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.config import request_schedule
-from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
+from vllm_kvevict.metrics import ENGINE_METRICS, REQUEST_SETTING_LABELS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
 
@@ -172,6 +172,10 @@ class EvictionManager(FullAttentionManager):
         # Sums over admitted requests, kept incrementally (updated every step).
         self._logical_tokens = 0
         self._retained_tokens = 0
+        self._unevicted_blocks = 0
+        for setting in REQUEST_SETTING_LABELS:  # at 0 from the start, not on first use
+            self.metrics.get("kvevict_requests_by_setting", setting=setting)
+        self.metrics.export(force=True)
         self.snapshot = SnapshotWriter(os.environ.get(STATS_PATH_ENV))
         self._write_snapshot(force=True)
 
@@ -234,6 +238,10 @@ class EvictionManager(FullAttentionManager):
         retained = max(processed_computed_tokens - frontier, 0) + min(processed_computed_tokens, prefix)
         self._logical_tokens += processed_computed_tokens - trace.tokens
         self._retained_tokens += retained - trace.retained
+        self._unevicted_blocks += cdiv(processed_computed_tokens, self.block_size) - cdiv(trace.tokens, self.block_size)
+        dropped = (processed_computed_tokens - retained) - (trace.tokens - trace.retained)
+        if dropped > 0:
+            self.metrics.get("kvevict_tokens_evicted").inc(dropped)
         trace.tokens, trace.retained = processed_computed_tokens, retained
         self._update_metrics(force=False)
         blocks = self.req_to_blocks[request_id]
@@ -260,6 +268,7 @@ class EvictionManager(FullAttentionManager):
             self._admitted.add(request_id)
             self.stats.requests_admitted += 1
             self.metrics.get("kvevict_requests_admitted").inc()
+            self.metrics.get("kvevict_requests_by_setting", setting=self._setting_of(request_id)).inc()
             # Without eviction vLLM admits a request only when the blocks of
             # its whole prompt (but those found in the cache) are free.
             trace = self.stats.live.get(request_id)
@@ -269,11 +278,19 @@ class EvictionManager(FullAttentionManager):
             self._account(request_id)
         return new_blocks
 
+    def _setting_of(self, request_id: str) -> str:
+        """The eviction a request runs with, as kvevict_requests_by_setting names it."""
+        schedule = self.schedule_of(request_id)
+        if schedule is None:
+            return "off"
+        return "server" if schedule.budget == self.schedule.budget else "own_budget"
+
     def free(self, request_id: str) -> None:
         trace = self.stats.live.get(request_id)
         if trace is not None and request_id in self.req_to_blocks:
             self._logical_tokens -= trace.tokens
             self._retained_tokens -= trace.retained
+            self._unevicted_blocks -= cdiv(trace.tokens, self.block_size)
         super().free(request_id)
         self._admitted.discard(request_id)
         self.request_schedules.pop(request_id, None)
@@ -317,6 +334,7 @@ class EvictionManager(FullAttentionManager):
         metrics.get("kvevict_retained_tokens").set(retained)
         metrics.get("kvevict_compression_ratio").set(logical / retained if retained else 1.0)
         metrics.get("kvevict_blocks_held").set(self.stats.blocks_held)
+        metrics.get("kvevict_blocks_held_without_eviction").set(self._unevicted_blocks)
         metrics.get("kvevict_protected_prefix_tokens").set(self.stats.protected_prefix_blocks * self.block_size)
         metrics.export(force)
 
