@@ -152,3 +152,28 @@ def test_prefill_modes_hold_different_memory_and_evict_where_promised(
     assert end_of_prompt["free_points"] == [prompt_len, prompt_len + 32]
     assert end_of_prompt["peak_blocks"] >= prompt_blocks
     assert per_chunk["peak_blocks"] < end_of_prompt["peak_blocks"] / 2
+
+
+def test_readme_offline_snippet_runs_as_printed(tmp_path):
+    """The README's offline example, saved as a script and run as it stands:
+    vLLM's engine processes re-import it, it sizes the CPU's KV pool, the
+    plugin serves its settings (the scheduler's stats record the request)."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = readme[readme.index("Offline, the same settings go through `additional_config`"):]
+    snippet = re.search(r"```python\n(.*?)```", after, re.S).group(1)
+    script = tmp_path / "offline.py"
+    script.write_text(snippet)
+    stats = tmp_path / "stats.json"
+    env = dict(os.environ, PYTHONSAFEPATH="1", KVEVICT_STATS_PATH=str(stats))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the script's one print (vLLM's own log lines on stdout follow it)
+    assert any(line.lstrip().startswith("Paris") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+    assert json.loads(stats.read_text())["requests_admitted"] == 1

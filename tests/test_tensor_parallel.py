@@ -74,7 +74,10 @@ def run_engine(model_dirs: dict[str, str], tp: int, prompts: list[list[int]], ou
         llm = LLM(
             model_dir,
             tensor_parallel_size=tp,
-            distributed_executor_backend="mp",  # workers bind their cores in their own process
+            # TP=2: each rank in a process of its own, bound to its core there;
+            # TP=1: the worker in this process (no third import of vLLM), bound
+            # to the worker's core by vLLM's CPU worker as it starts.
+            distributed_executor_backend="mp" if tp > 1 else "uni",
             dtype="float32",
             max_model_len=4096,
             block_size=BLOCK_SIZE,

@@ -192,3 +192,48 @@ def test_two_processes_asking_for_the_tiny_model_together_both_get_it(tmp_path):
     assert [stdout.strip() for stdout, _ in results] == [str(out)] * 2
     assert (out / "model.safetensors").is_file() and (out / "kvevict_tiny.json").is_file()
     assert not (tmp_path / "tiny.partial").exists()
+
+
+def test_a_launched_server_takes_a_core_no_worker_holds():
+    """Outside the suite's binding, a server started by kvevict eval, bench or
+    soak is bound to the first allowed core that no running vLLM CPU worker
+    holds; a binding already given is kept; no binding when all are taken."""
+    from vllm_kvevict.evaluation.server import engine_binding
+
+    assert engine_binding({}, {0, 1, 2}, set()) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert engine_binding({}, {0, 1, 2}, {0}) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert engine_binding({}, {2, 3}, {0, 1, 2}) == {"VLLM_CPU_OMP_THREADS_BIND": "3"}
+    assert engine_binding({}, {0, 1}, {0, 1}) == {}
+    assert engine_binding({"VLLM_CPU_OMP_THREADS_BIND": "5"}, {0, 1}, set()) == {}
+
+
+def test_busy_engine_cores_reads_the_running_workers_affinity():
+    """Processes named as the workers are (a name of this test's own, so the
+    suite's engines do not count), bound to one allowed core: that core is
+    busy while one runs and free once none does; a process of another name
+    is not counted."""
+    from vllm_kvevict.evaluation.server import busy_engine_cores
+
+    name = f"KVT{os.getpid() % 100000}"
+    core = sorted(os.sched_getaffinity(0))[-1]
+    code = (
+        "import ctypes, os, sys, time\n"
+        "ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)\n"  # PR_SET_NAME
+        f"os.sched_setaffinity(0, {{{core}}})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    assert busy_engine_cores(name) == set()
+    procs = [subprocess.Popen([sys.executable, "-c", code, n], stdout=subprocess.PIPE, text=True)
+             for n in (name + "w", "Other" + name)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "ready"
+        assert busy_engine_cores(name) == {core}
+        procs[0].kill()
+        procs[0].wait()
+        assert busy_engine_cores(name) == set()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -113,6 +113,47 @@ def served_model(url: str) -> tuple[str, str | None]:
     return model["id"], model.get("root")
 
 
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def busy_engine_cores(process_name: str = "VLLM::Worker") -> set[int]:
+    """Cores the vLLM CPU workers running on this host are bound to (the
+    affinity of each process whose name starts with ``process_name``, the
+    name vLLM gives its workers)."""
+    import psutil
+
+    busy: set[int] = set()
+    for process in psutil.process_iter(["name"]):
+        try:
+            if (process.info["name"] or "").startswith(process_name):
+                busy.update(os.sched_getaffinity(process.pid))
+        except (psutil.Error, OSError):
+            continue
+    return busy
+
+
+def engine_binding(environ: dict[str, str], allowed: set[int], busy: set[int]) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a server about to start on vLLM's CPU
+    build: the first of the ``allowed`` cores that no running worker is bound
+    to (``busy``). vLLM's CPU worker binds itself to the first core otherwise,
+    so a second server on the host shares that core with the first. Nothing
+    when the variable is set already, or when every core is taken."""
+    if environ.get(CPU_BIND_ENV):
+        return {}
+    free = sorted(allowed - busy)
+    return {CPU_BIND_ENV: str(free[0])} if free else {}
+
+
+def _cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 class VllmServer:
     """A real `vllm serve` process on loopback, with the plugin loaded by vLLM."""
 
@@ -122,6 +163,8 @@ class VllmServer:
         self.stats_path = stats_path
         self.log_path = log_path
         env = dict(os.environ, KVEVICT_STATS_PATH=str(stats_path), PYTHONSAFEPATH="1")
+        if _cpu_build():  # its own core, not the first core another server computes on
+            env.update(engine_binding(env, os.sched_getaffinity(0), busy_engine_cores()))
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
             [vllm_executable(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
