@@ -72,6 +72,8 @@ class MetricDef:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    # The values of a single label known in advance: those series exist at 0 from the start.
+    label_values: tuple[str, ...] = ()
 
 
 # Scheduler side (engine core): what requests hold.
@@ -107,7 +109,7 @@ ENGINE_METRICS = {
     "kvevict_requests_by_setting": MetricDef(
         "counter", "Requests admitted, by the eviction they run with: the server's settings, "
         "their own budget (kv_eviction_budget), or off (kv_eviction \"off\").",
-        labels=("setting",),
+        labels=("setting",), label_values=REQUEST_SETTING_LABELS,
     ),
     "kvevict_requests_admitted": MetricDef("counter", "Requests admitted (preempted ones again)."),
     "kvevict_requests_admitted_beyond_memory": MetricDef(
@@ -200,10 +202,13 @@ class ProcessMetrics:
             else:
                 metric = Histogram(name, definition.help, names, buckets=definition.buckets, **kwargs)
             self.metrics[name] = metric
+            # Expose 0 from the start: a series that only appears on its
+            # first event reads as "no data", not as zero.
             if not definition.labels:
-                # Expose 0 from the start: a labelled series that only appears
-                # on its first event reads as "no data", not as zero.
                 self.get(name)
+            for value in definition.label_values:
+                (label,) = definition.labels
+                self.get(name, **{label: value})
         # Published at once: an engine started in a process where another one
         # ran (LLM() after LLM()) replaces that engine's series from its start,
         # instead of serving them as its own until its first export.

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.config import request_schedule
-from vllm_kvevict.metrics import ENGINE_METRICS, REQUEST_SETTING_LABELS, ProcessMetrics
+from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule, cdiv
 from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
 
@@ -173,9 +173,6 @@ class EvictionManager(FullAttentionManager):
         self._logical_tokens = 0
         self._retained_tokens = 0
         self._unevicted_blocks = 0
-        for setting in REQUEST_SETTING_LABELS:  # at 0 from the start, not on first use
-            self.metrics.get("kvevict_requests_by_setting", setting=setting)
-        self.metrics.export(force=True)
         self.snapshot = SnapshotWriter(os.environ.get(STATS_PATH_ENV))
         self._write_snapshot(force=True)
 
