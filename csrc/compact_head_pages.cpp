@@ -24,9 +24,8 @@
 // were. write_heads reads only its dense inputs, which the gather copied out
 // of the cache, so a head's new pages may be any pages, its old ones included.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -12,7 +12,10 @@
 // nth_element under the strict order (score descending, index ascending)
 // finds the k entries; a NaN ranks with -inf (the callers reject NaN first).
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>

@@ -462,7 +462,7 @@ def test_sources_ship_as_package_data():
     installs non-editable)."""
     from importlib import resources
 
-    for name in ("head_paged_attention.cpp", "compact_head_pages.cpp", "select_top.cpp"):
+    for name in ("bindings.cpp", "head_paged_attention.cpp", "compact_head_pages.cpp", "select_top.cpp"):
         assert resources.files("vllm_kvevict.csrc").joinpath(name).is_file()
 
 

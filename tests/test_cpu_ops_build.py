@@ -252,8 +252,10 @@ def test_a_changed_source_is_rebuilt(first_build, fresh, tmp_path):
 
     cache = first_build["cache"]
     original = final_dir(fresh, cache)
-    edited = tmp_path / "head_paged_attention.cpp"
+    edited = tmp_path / "bindings.cpp"
     edited.write_text(cpu_ops._source_path().read_text())
+    attention = tmp_path / "head_paged_attention.cpp"
+    attention.write_text((cpu_ops._source_path().parent / attention.name).read_text())
     other = tmp_path / "compact_head_pages.cpp"
     other.write_text((cpu_ops._source_path().parent / other.name).read_text() + "\n// edited\n")
     selection = tmp_path / "select_top.cpp"
@@ -262,7 +264,7 @@ def test_a_changed_source_is_rebuilt(first_build, fresh, tmp_path):
 
     def compiler(**kwargs):
         calls.append(Path(kwargs["build_directory"]))
-        assert kwargs["sources"] == [str(edited), str(other), str(selection)]
+        assert kwargs["sources"] == [str(edited), str(attention), str(other), str(selection)]
         raise RuntimeError("compile stopped by the test")
 
     fresh.setattr(cpu_ops, "_source_path", lambda: edited)

@@ -61,8 +61,8 @@ from vllm_kvevict.triton_kernels.head_paged_torch import attend_head_tokens
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "kvevict_cpu_ops"
-_SOURCE = "head_paged_attention.cpp"  # the attention kernel and the module's bindings
-_OTHER_SOURCES = ("compact_head_pages.cpp", "select_top.cpp")  # beside it
+_SOURCE = "bindings.cpp"  # the module's Python bindings
+_OTHER_SOURCES = ("head_paged_attention.cpp", "compact_head_pages.cpp", "select_top.cpp")  # beside it
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 _LDFLAGS = ("-fopenmp",)
 # The longest wait for another process's build of the same kernel, and the age
