@@ -104,6 +104,18 @@ def model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir() -> str:
+    """The tiny random Llama (4 layers, 4 KV heads, head_dim 32, the default
+    model's tokenizer): vLLM's paths of the default model at a fraction of
+    its compute, for tests whose claims do not depend on what the model
+    knows (preemption, aborts, isolation: outputs equal to the same request
+    run alone)."""
+    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+
+    return str(fetch_tiny_model())
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 

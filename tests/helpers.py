@@ -15,6 +15,16 @@ SNAPKV_SERVER_CONFIG = {"policy": "snapkv", "budget": 512, "policy_options": {"k
 HEAD_PAGES_SERVER_CONFIG = {**SNAPKV_SERVER_CONFIG, "head_budget": "adaptive", "moment_correction": True}
 
 
+def model_block_bytes(model_dir: str, block_size: int = 32) -> int:
+    """Bytes of one fp32 KV block of the model in ``model_dir``, every layer."""
+    import json
+    from pathlib import Path
+
+    from vllm_kvevict.evaluation.serving_bench import kv_block_bytes
+
+    return kv_block_bytes(json.loads((Path(model_dir) / "config.json").read_text()), block_size, 4)
+
+
 def eviction_server_args(config: dict, pool_blocks: int) -> list[str]:
     """`vllm serve` arguments of the tests' servers: the default model in fp32,
     4k context, 512-token chunks, a KV pool of ``pool_blocks`` blocks of 32."""

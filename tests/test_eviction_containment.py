@@ -41,11 +41,6 @@ CASES = {
 ENGINE_TIMEOUT_S = 900
 
 
-def _block_bytes(model_dir: str) -> int:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
-
-
 def _break_snapkv(how: str) -> None:
     """Make SnapKV's score fail in this process (the engine runs here)."""
     import torch
@@ -63,6 +58,10 @@ def _break_snapkv(how: str) -> None:
 def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> dict:
     from vllm import LLM, SamplingParams
 
+    from vllm_kvevict.evaluation.serving_bench import kv_block_bytes, kv_cache_memory_bytes
+
+    block_bytes = kv_block_bytes(json.loads((Path(model_dir) / "config.json").read_text()), BLOCK_SIZE, 4)
+
     settings, how, _ = CASES[case]
     _break_snapkv(how)
     stats_path = Path(out_dir) / f"stats-{case}.json"
@@ -70,7 +69,7 @@ def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> d
     llm = LLM(
         model_dir, dtype="float32", max_model_len=4096, block_size=BLOCK_SIZE,
         max_num_batched_tokens=512, max_num_seqs=4, enforce_eager=True, seed=0,
-        kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(model_dir) + 4096,
+        kv_cache_memory_bytes=kv_cache_memory_bytes(POOL_BLOCKS, block_bytes),
         additional_config={"kv_eviction": settings},
     )
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -3,14 +3,23 @@
 One engine per storage mode, each with a shipped config's policy and storage
 and a small schedule (budget 64, a decode eviction every 4 tokens, per-chunk
 prefill every 128 tokens, which is also the step's token budget) in a KV pool
-of 12 blocks, the fewest that admit a request:
+of 12 blocks, the fewest that admit a request. What is asserted here
+(outputs equal to the same request run alone, every block back, no poisoned
+read) does not depend on what the model knows: the slots and pooled-layer
+engines serve the tiny random Llama (conftest's ``tiny_model_dir``: the
+default model's architecture and tokenizer, 4 layers, 4 KV heads), whose
+steps cost a fraction of the default model's. The head-pages engines serve
+the default model: on the tiny one, the request recomputed after its
+preemption gave a token different from its run alone two tokens after the
+recompute ended (all three head-pages cases, twice; slots and pooled layers
+gave equal outputs), a difference the default model's outputs do not show.
 
 * ``slots``: SnapKV (configs/snapkv.yaml);
 * ``head_pages``: AdaKV + SnapKV (configs/adakv_snapkv.yaml);
 * ``head_pages_moments``: MomentKV, head pages with the moment correction
   (configs/momentkv.yaml);
-* ``global``: the learned policy with the gates shipped for the default model,
-  one ranking over every layer's pooled blocks (configs/learned.yaml);
+* ``global``: the learned policy (configs/learned.yaml) with seeded random
+  gates for the tiny model, one ranking over every layer's pooled blocks;
 * ``head_pages_prefix``: AdaKV + SnapKV with ``prefix_caching: shared`` (the
   first 64 tokens of a prompt protected and cached; two more pool blocks).
 
@@ -34,7 +43,7 @@ mode by test_e2e_serve.py, test_head_pages.py and test_learned_e2e.py.)
 Pooled layers (``global``) are ranked once, after the last layer, at the
 step's last eviction point: tokens of the step after an earlier point attend
 to the cache as it was before that point, so a step that crosses several
-points can change the output. Measured with this engine: four requests of
+points can change the output. Measured with this engine on the default model: four requests of
 88 to 232 prompt tokens run together, without preemption, in three steps
 that each crossed a prefill point and the end of a prompt; three of the four
 outputs differed from their runs alone from the first token (three times out
@@ -55,8 +64,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import needle_prompt
-from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+from helpers import model_block_bytes, needle_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -81,23 +89,30 @@ class StorageCase:
     same_output_under_load: bool = True
     options: tuple[tuple[str, object], ...] = ()  # settings on top of the config's
     extra_blocks: int = 0  # pool blocks on top of POOL_BLOCKS
+    tiny_model: bool = True  # the tiny random Llama, else the default model
 
-    def eviction(self) -> dict:
+    def eviction(self, gates_dir: str) -> dict:
+        """The config file's settings, the schedule, the case's options; on
+        the tiny model, the learned policy's gates are its (``gates_dir``)."""
         from vllm_kvevict.config import parse_config_source
 
-        return {**parse_config_source(str(CONFIG_DIR / f"{self.config_file}.yaml")), **SCHEDULE, **dict(self.options)}
+        settings = parse_config_source(str(CONFIG_DIR / f"{self.config_file}.yaml"))
+        if settings["policy"] == "learned" and self.tiny_model:
+            settings["policy_options"] = {**settings.get("policy_options", {}), "gates": gates_dir}
+        return {**settings, **SCHEDULE, **dict(self.options)}
 
 
 CASES = {
     "slots": StorageCase("slots", "snapkv"),
-    "head_pages": StorageCase("head_pages", "adakv_snapkv"),
-    "head_pages_moments": StorageCase("head_pages", "momentkv"),
+    "head_pages": StorageCase("head_pages", "adakv_snapkv", tiny_model=False),
+    "head_pages_moments": StorageCase("head_pages", "momentkv", tiny_model=False),
     "global": StorageCase("global", "learned", same_output_under_load=False),
     # prefix_caching shared: the long prompt's first two blocks are protected
     # and cached (the pool grows by them); a preempted request finds them again.
     "head_pages_prefix": StorageCase(
         "head_pages", "adakv_snapkv",
         options=(("prefix_caching", "shared"), ("max_protected_prefix_tokens", 64)), extra_blocks=2,
+        tiny_model=False,
     ),
 }
 
@@ -138,21 +153,29 @@ class Engine:
         return int(sum(m.value for m in self.llm.get_metrics() if m.name == name))
 
 
+@pytest.fixture(scope="module")
+def tiny_gates(tiny_model_dir, tmp_path_factory) -> str:
+    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates
+
+    return str(build_tiny_gates(Path(tiny_model_dir), tmp_path_factory.mktemp("preemption_gates") / "gates"))
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def engine(request, model_dir, tmp_path_factory):
+def engine(request, model_dir, tiny_model_dir, tiny_gates, tmp_path_factory):
     from vllm import LLM
 
     from vllm_kvevict.config import build_config
 
     case = CASES[request.param]
-    eviction = case.eviction()
+    eviction = case.eviction(tiny_gates)
+    model = tiny_model_dir if case.tiny_model else model_dir
     config = build_config(eviction)
     storage = "global" if config.pools_layers else "head_pages" if config.uses_head_pages else "slots"
     assert storage == case.storage, f"configs/{case.config_file}.yaml no longer uses {case.storage}"
     stats_path = tmp_path_factory.mktemp(f"preemption_{request.param}") / "stats.json"
     os.environ["KVEVICT_STATS_PATH"] = str(stats_path)  # inherited by the engine process
     llm = LLM(
-        model_dir,
+        model,
         dtype="float32",
         max_model_len=4096,
         block_size=32,
@@ -160,7 +183,7 @@ def engine(request, model_dir, tmp_path_factory):
         max_num_seqs=8,
         enforce_eager=True,
         disable_log_stats=False,
-        kv_cache_memory_bytes=(POOL_BLOCKS + case.extra_blocks) * DEFAULT_MODEL_BLOCK_BYTES + 4096,
+        kv_cache_memory_bytes=(POOL_BLOCKS + case.extra_blocks) * model_block_bytes(model) + 4096,
         enable_prefix_caching=eviction.get("prefix_caching") == "shared",
         additional_config={"kv_eviction": eviction},
     )

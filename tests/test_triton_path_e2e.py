@@ -56,12 +56,6 @@ GPU_BACKEND_CASES = ("momentkv", "learned-global")
 ENGINE_TIMEOUT_S = 1500
 
 
-def _block_bytes(model_dir: str) -> int:
-    """One block: K and V of every layer and KV head, fp32."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * BLOCK_SIZE * config["head_dim"] * 4
-
-
 def _settings(case: str, gates_dir: str) -> dict:
     eviction = dict(CASES[case])
     if "policy_options" in eviction:
@@ -81,6 +75,10 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
         register_backend(AttentionBackendEnum.CPU_ATTN, vllm_kvevict.GPU_BACKEND)
     from vllm import LLM, SamplingParams
 
+    from vllm_kvevict.evaluation.serving_bench import kv_block_bytes, kv_cache_memory_bytes
+
+    block_bytes = kv_block_bytes(json.loads((Path(model_dir) / "config.json").read_text()), BLOCK_SIZE, 4)
+
     runs = [(name, kernel) for name in CASES for kernel in KERNELS]
     if backend == "gpu":
         runs = [(name, "triton") for name in GPU_BACKEND_CASES]
@@ -98,7 +96,7 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
             max_num_seqs=4,
             enforce_eager=True,
             seed=0,
-            kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(model_dir) + 4096,
+            kv_cache_memory_bytes=kv_cache_memory_bytes(POOL_BLOCKS, block_bytes),
             additional_config={"kv_eviction": {**_settings(name, gates_dir), "attention_kernel": kernel}},
         )
         outputs = llm.generate(
