@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
-from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 3, 9, 64, 32
 STANDARD = 40  # slots in each request's standard region

@@ -57,8 +57,8 @@ from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.policies.base import RotaryFrequencies
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.top_k import use_native_selection
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
-from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
+from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache, head_paged_cache
+from vllm_kvevict.plugin.backends.cpu.page_layout import probe_page_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = "snapkv,adakv_snapkv,expected_attention,momentkv,criticalkv,learned"

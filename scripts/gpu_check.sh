@@ -317,7 +317,7 @@ stage2_ops() {
         return 1
     fi
     step 2 "vLLM's compiled ops" passed "$(tail -1 "$out" | sed 's/^gpu_ops_check: //')"
-    gate="$("$PY" -c 'import vllm, vllm_kvevict; from vllm_kvevict.vllm_glue import compat; print("vLLM {}; plugin from {}; gate: {}".format(vllm.__version__, vllm_kvevict.__file__, compat.unsupported_reason() or "open"))' 2>&1 | tail -1)"
+    gate="$("$PY" -c 'import vllm, vllm_kvevict; from vllm_kvevict.plugin import compat; print("vLLM {}; plugin from {}; gate: {}".format(vllm.__version__, vllm_kvevict.__file__, compat.unsupported_reason() or "open"))' 2>&1 | tail -1)"
     echo "$gate" >> "$out"
     case "$gate" in
         *"gate: open") step 2 "plugin gate" passed "$gate" ;;

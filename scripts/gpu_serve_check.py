@@ -123,7 +123,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 PREFIX_TOKENS = 512  # the shared prefix of the ``prefix`` setting's requests: 16 whole blocks
 REQUEST_BUDGET = 64  # --http: one request's own budget
-STATS_ENV = "KVEVICT_STATS_PATH"  # vllm_kvevict.vllm_glue.snapshot.STATS_PATH_ENV
+STATS_ENV = "KVEVICT_STATS_PATH"  # vllm_kvevict.plugin.snapshot.STATS_PATH_ENV
 POISON_ENV = "KVEVICT_POISON_FREED_BLOCKS"  # vllm_kvevict.config.POISON_ENV
 
 

@@ -6,8 +6,9 @@ import pytest
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_cli
-from vllm_kvevict.vllm_glue import cli, compat
-from vllm_kvevict.vllm_glue.compat import VLLMContractError
+from vllm_kvevict.plugin.frontend import cli
+from vllm_kvevict.plugin import compat
+from vllm_kvevict.plugin.compat import VLLMContractError
 
 
 def _parser():

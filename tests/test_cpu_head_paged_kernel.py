@@ -27,7 +27,7 @@ from vllm_kvevict import cpu_ops
 from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention_reference
-from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_referen
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.head_pages import assign_pages, block_head_pages, gather_live, live_addresses
 from vllm_kvevict.policies.base import PADDING_POSITION
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache
-from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
+from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache
+from vllm_kvevict.plugin.backends.cpu.page_layout import probe_page_layout
 
 
 def _cpu_cache(logical: torch.Tensor, isa: str):
@@ -105,7 +105,7 @@ def test_live_block_table_drops_the_freed_gap(seed):
     """vLLM's kernel reads a request's live slots ``[0, prefix)`` and
     ``[frontier, n)`` as one sequence: each row keeps its first
     ``prefix_blocks`` columns, then its columns from ``first_blocks`` on."""
-    from vllm_kvevict.vllm_glue.cpu_backend import live_block_table
+    from vllm_kvevict.plugin.backends.cpu.backend import live_block_table
 
     gen = torch.Generator().manual_seed(seed)
     rows, width = 5, 12
@@ -125,7 +125,7 @@ def test_live_block_table_drops_the_freed_gap(seed):
 
 def _native_cache(kv_cache: torch.Tensor, layout) -> "NativeHeadPagedCache":
     from vllm_kvevict import cpu_ops
-    from vllm_kvevict.vllm_glue.cpu_head_pages import NativeHeadPagedCache
+    from vllm_kvevict.plugin.backends.cpu.head_pages import NativeHeadPagedCache
 
     module = cpu_ops.load_cpu_ops()
     if module is None:

@@ -39,7 +39,7 @@ def builder(vllm_config):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.vllm_glue.gpu_backend import KVEvictTritonBackend
+    from vllm_kvevict.plugin.backends.triton.backend import KVEvictTritonBackend
 
     with set_current_vllm_config(vllm_config):
         spec = KVEvictTritonBackend.customize_spec(
@@ -53,7 +53,7 @@ def test_declarations():
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from vllm_kvevict.backend_name import GPU_BACKEND_NAME
-    from vllm_kvevict.vllm_glue.gpu_backend import (
+    from vllm_kvevict.plugin.backends.triton.backend import (
         KVEvictTritonBackend,
         KVEvictTritonImpl,
         KVEvictTritonMetadataBuilder,
@@ -70,8 +70,8 @@ def test_evicting_specs_get_piecewise_graphs_only(builder, vllm_config):
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.vllm_glue.gpu_backend import KVEvictTritonMetadataBuilder
-    from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
+    from vllm_kvevict.plugin.backends.triton.backend import KVEvictTritonMetadataBuilder
+    from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 
     assert isinstance(builder.kv_cache_spec, EvictingAttentionSpec)
     cls = KVEvictTritonMetadataBuilder
@@ -107,8 +107,8 @@ def _metadata(query_lens: list[int], seq_lens: list[int], num_blocks: int = 256)
 def test_builder_plans_from_host_lengths(builder, monkeypatch):
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
-    from vllm_kvevict.vllm_glue import runner_hooks
-    from vllm_kvevict.vllm_glue.gpu_backend import KVEvictTritonMetadata
+    from vllm_kvevict.plugin.worker import runner_hooks
+    from vllm_kvevict.plugin.backends.triton.backend import KVEvictTritonMetadata
 
     # Request "a": a 300-token prompt in one chunk (evicted at its end, 300);
     # "b": decode token 616 of a 600-token prompt (16 decode steps: point 616);

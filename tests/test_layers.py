@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("config", "the validated eviction settings and the Prometheus metrics",
      ("vllm_kvevict.config", "vllm_kvevict.metrics")),
     ("plugin", "what plugs eviction into vLLM: registration, spec and manager, backends, hooks",
-     ("vllm_kvevict", "vllm_kvevict.backend_name", "vllm_kvevict.vllm_glue.*")),
+     ("vllm_kvevict", "vllm_kvevict.backend_name", "vllm_kvevict.plugin.*")),
     ("tools", "beside serving: the reference decoder, evaluation, gate training, the default model, CPU setup",
      ("vllm_kvevict.reference.*", "vllm_kvevict.evaluation.*", "vllm_kvevict.training.*",
       "vllm_kvevict.default_model", "vllm_kvevict.setup_cpu", "vllm_kvevict.help_format")),
@@ -46,10 +46,22 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("vllm_kvevict.cli",)),
 ]
 
+# Inside the plugin, one folder per vLLM process: a folder imports nothing
+# from another process's folder (what two processes share lies beside the
+# folders: compat, kv_spec, snapshot, gate_models, vllm_fixes). The attention
+# backends run in the worker process, so they may use the worker's modules.
+PROCESSES: dict[str, str] = {
+    "frontend": "vllm_kvevict.plugin.frontend",
+    "scheduler": "vllm_kvevict.plugin.scheduler",
+    "worker": "vllm_kvevict.plugin.worker",
+    "backends": "vllm_kvevict.plugin.backends",
+}
+SAME_PROCESS = {("backends", "worker")}
+
 # Modules the walk must find: a layout it cannot read fails here instead of
 # passing with nothing to check.
 EXPECTED = ("vllm_kvevict.triton_kernels.batch", "vllm_kvevict.cpu_ops", "vllm_kvevict.policies.base",
-            "vllm_kvevict.eviction.select", "vllm_kvevict.vllm_glue.eviction_step", "vllm_kvevict.cli")
+            "vllm_kvevict.eviction.select", "vllm_kvevict.plugin.backends.eviction_step", "vllm_kvevict.cli")
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,28 @@ def layer_problems(root: Path, package: str, layers: Sequence[tuple[str, str, tu
     return problems
 
 
+def process_problems(root: Path, package: str, processes: dict[str, str],
+                     same_process: set[tuple[str, str]]) -> list[str]:
+    """Every import from one process's folder into another's, one line each."""
+    modules = package_modules(root, package)
+
+    def process_of(module: str) -> str | None:
+        return next((name for name, top in processes.items()
+                     if module == top or module.startswith(top + ".")), None)
+
+    problems = []
+    for module, path in modules.items():
+        source = process_of(module)
+        if source is None:
+            continue
+        for edge in imports_of(module, path, package, modules, root.parent)[0]:
+            target = process_of(edge.target)
+            if target not in (None, source) and (source, target) not in same_process:
+                problems.append(f"{edge.where()}: {edge.source} ({source}) imports {edge.target} "
+                                f"({target}), another process's")
+    return sorted(problems)
+
+
 def installed_root() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     assert spec is not None and spec.submodule_search_locations, f"{PACKAGE} is not installed"
@@ -228,6 +262,37 @@ def test_package_keeps_its_layers():
     assert set(EXPECTED) <= set(modules), f"not found under {root}: {sorted(set(EXPECTED) - set(modules))}"
     problems = layer_problems(root, PACKAGE, LAYERS)
     assert not problems, "\n".join(problems)
+
+
+def test_plugin_keeps_each_process_apart():
+    root = installed_root()
+    modules = package_modules(root, PACKAGE)
+    for top in PROCESSES.values():
+        assert any(m.startswith(top + ".") for m in modules), f"{top}: no module found under {root}"
+    problems = process_problems(root, PACKAGE, PROCESSES, SAME_PROCESS)
+    assert not problems, "\n".join(problems)
+
+
+def test_reports_imports_across_processes(tmp_path):
+    root = tmp_path / "pkg"
+    files = {
+        "__init__.py": "", "shared.py": "",
+        "front/__init__.py": "", "front/a.py": "from pkg.shared import x\nfrom pkg.work import b\n",
+        "work/__init__.py": "", "work/b.py": "import pkg.shared\n",
+        "impl/__init__.py": "", "impl/c.py": "from pkg.work.b import y\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    processes = {"front": "pkg.front", "work": "pkg.work", "impl": "pkg.impl"}
+
+    assert process_problems(root, "pkg", processes, {("impl", "work")}) == [
+        "pkg/front/a.py:2: pkg.front.a (front) imports pkg.work.b (work), another process's",
+    ]
+    assert process_problems(root, "pkg", processes, set()) == [
+        "pkg/front/a.py:2: pkg.front.a (front) imports pkg.work.b (work), another process's",
+        "pkg/impl/c.py:1: pkg.impl.c (impl) imports pkg.work.b (work), another process's",
+    ]
 
 
 def test_reports_circles_and_upward_imports(tmp_path):

@@ -232,7 +232,7 @@ def test_gather_log_beta_matches_a_slot_by_slot_loop() -> None:
 
 
 def test_global_kv_views_every_layer_of_one_allocation() -> None:
-    from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+    from vllm_kvevict.plugin.worker.worker_state import WorkerEvictionState
 
     state = WorkerEvictionState(3, 2, 4, 8, 64, 0, torch.float32, torch.device("cpu"), max_head_pages=4)
     num_blocks, heads, bs, dim = 5, 2, 4, 8
@@ -249,7 +249,7 @@ def test_global_kv_views_every_layer_of_one_allocation() -> None:
 
 
 def test_unsupported_architectures_get_a_clear_error() -> None:
-    from vllm_kvevict.vllm_glue.gate_capture import decoder_attention_modules
+    from vllm_kvevict.plugin.worker.gate_capture import decoder_attention_modules
 
     class GPT2LMHeadModel(torch.nn.Module):
         pass
@@ -259,7 +259,7 @@ def test_unsupported_architectures_get_a_clear_error() -> None:
 
 
 def test_the_capture_op_passes_its_input_through_and_keeps_log_beta() -> None:
-    from vllm_kvevict.vllm_glue import gate_capture
+    from vllm_kvevict.plugin.worker import gate_capture
 
     gates = RetentionGates(RetentionGateConfig(hidden_size=16, num_layers=2, num_kv_heads=2, width=8,
                                                bias_init=1.0))

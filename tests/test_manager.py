@@ -16,11 +16,8 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
 from vllm_kvevict.schedule import EvictionSchedule, cdiv  # noqa: E402
-from vllm_kvevict.vllm_glue.spec import (  # noqa: E402
-    EvictingAttentionSpec,
-    EvictionManager,
-    register_spec,
-)
+from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec  # noqa: E402
+from vllm_kvevict.plugin.scheduler.manager import EvictionManager, register_spec  # noqa: E402
 
 
 def make_spec(prefill_mode: str = "per_chunk", budget: int = 100, decode_interval: int = 8,

@@ -100,7 +100,7 @@ def test_a_metrics_or_stats_file_that_cannot_be_written_does_not_raise(tmp_path,
     next write succeeds once the directory is back."""
     import shutil
 
-    from vllm_kvevict.vllm_glue.snapshot import SnapshotWriter
+    from vllm_kvevict.plugin.snapshot import SnapshotWriter
 
     directory = tmp_path / "metrics"
     directory.mkdir()

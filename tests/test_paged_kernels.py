@@ -11,7 +11,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from vllm_kvevict.cpu_ops import region_attention
 from vllm_kvevict.triton_kernels.paged_reference import gather_region, region_slots, scatter_region
-from vllm_kvevict.vllm_glue.cpu_page_layout import probe_page_layout
+from vllm_kvevict.plugin.backends.cpu.page_layout import probe_page_layout
 
 
 def _cdiv(a, b):

@@ -129,7 +129,7 @@ def test_request_schedule_is_the_servers_with_the_requests_budget():
 
 
 def test_front_end_refuses_an_opted_out_request_the_pool_cannot_hold():
-    from vllm_kvevict.vllm_glue.request_guard import check_request_eviction
+    from vllm_kvevict.plugin.frontend.request_guard import check_request_eviction
 
     vllm_config = SimpleNamespace(
         additional_config={"kv_eviction": SERVER},
@@ -157,7 +157,8 @@ def _manager(budget: int, prefill_mode: str = "per_chunk", num_blocks: int = 400
     import torch
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, EvictionManager
+    from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
+    from vllm_kvevict.plugin.scheduler.manager import EvictionManager
 
     spec = EvictingAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
@@ -248,7 +249,7 @@ def test_a_preempted_request_keeps_its_schedule_on_resumption():
 def test_worker_keeps_each_requests_schedule_until_it_is_released():
     import torch
 
-    from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState
+    from vllm_kvevict.plugin.worker.worker_state import WorkerEvictionState
 
     state = WorkerEvictionState(2, 2, 2, 32, 160 + BS, 0, torch.float32, torch.device("cpu"), rows=2)
     server = build_config(SERVER).schedule(BS, 512)

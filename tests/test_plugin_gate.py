@@ -23,8 +23,9 @@ import pytest
 
 import vllm_kvevict
 from vllm_kvevict.config import KVEvictionConfigError
-from vllm_kvevict.vllm_glue import cli, compat
-from vllm_kvevict.vllm_glue.compat import VLLMContractError
+from vllm_kvevict.plugin.frontend import cli
+from vllm_kvevict.plugin import compat
+from vllm_kvevict.plugin.compat import VLLMContractError
 
 OFF_WARNING = "vllm-kvevict is off and vLLM runs without KV-cache eviction"
 CLI_ERROR = "vllm-kvevict: error: KV-cache eviction is unavailable:"
@@ -248,7 +249,7 @@ def test_platform_name_when_vllm_cannot_tell(monkeypatch):
 # Each script fakes the version or the platform, then does what a user would.
 _FAKE = """
 import sys
-from vllm_kvevict.vllm_glue import compat
+from vllm_kvevict.plugin import compat
 fake, value = sys.argv[1], sys.argv[2]
 if fake == "version":
     compat.installed_vllm_version = lambda: value
@@ -275,7 +276,7 @@ vllm_kvevict.register()
 from vllm.v1.attention.backends import registry
 assert vllm_kvevict.off_reason and not registry._ATTN_OVERRIDES, registry._ATTN_OVERRIDES
 assert vllm_kvevict.GPU_BACKEND_NAME not in registry.AttentionBackendEnum.__members__
-assert "vllm_kvevict.vllm_glue.spec" not in sys.modules
+assert "vllm_kvevict.plugin.scheduler.manager" not in sys.modules
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
@@ -287,7 +288,7 @@ try:
     EngineArgs(model=model, additional_config={"kv_eviction": {"policy": "snapkv"}}).create_engine_config()
 except KVEvictionConfigError as exc:
     print("REFUSED", exc, flush=True)
-child = "from vllm_kvevict.vllm_glue import compat; compat.installed_vllm_version = lambda: '0.40.0'; import vllm_kvevict; vllm_kvevict.register(); print('CHILD', bool(vllm_kvevict.off_reason))"
+child = "from vllm_kvevict.plugin import compat; compat.installed_vllm_version = lambda: '0.40.0'; import vllm_kvevict; vllm_kvevict.register(); print('CHILD', bool(vllm_kvevict.off_reason))"
 subprocess.run([sys.executable, "-c", child], check=True)
 sys.argv = ["vllm", "serve", "--help=kv-eviction"]
 from vllm.entrypoints.cli.main import main
@@ -307,7 +308,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 member = AttentionBackendEnum[vllm_kvevict.GPU_BACKEND_NAME]
 assert member.get_path() == vllm_kvevict.GPU_BACKEND
 assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
-assert "vllm_kvevict.vllm_glue.spec" in sys.modules
+assert "vllm_kvevict.plugin.scheduler.manager" in sys.modules
 os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
 from vllm.engine.arg_utils import EngineArgs
 config = EngineArgs(model=model, max_model_len=512, block_size=32, dtype="float32",
@@ -315,7 +316,7 @@ config = EngineArgs(model=model, max_model_len=512, block_size=32, dtype="float3
 print("BACKEND", config.attention_config.backend is member, flush=True)
 print("ASYNC", config.scheduler_config.async_scheduling, flush=True)
 print("RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"), config.use_v2_model_runner, flush=True)
-if importlib.util.find_spec("vllm_kvevict.vllm_glue.gpu_backend") is not None:
+if importlib.util.find_spec("vllm_kvevict.plugin.backends.triton.backend") is not None:
     print("GET_NAME", member.get_class().get_name(), flush=True)
 child = "import pickle, sys; c = pickle.load(sys.stdin.buffer); print('CHILD', c.backend.name, c.backend.get_path())"
 out = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(config.attention_config),
@@ -393,5 +394,5 @@ def test_cuda_registers_the_triton_backend_and_applies_the_rules(runs):
     assert _lines(out, "CHILD") == [f"CHILD {vllm_kvevict.GPU_BACKEND_NAME} {vllm_kvevict.GPU_BACKEND}"]
     names = _lines(out, "GET_NAME")
     if not names:
-        pytest.skip("vllm_glue/gpu_backend.py is not there yet")
+        pytest.skip("plugin/backends/triton/backend.py is not there yet")
     assert names == [f"GET_NAME {vllm_kvevict.GPU_BACKEND_NAME}"]  # Attention looks the member up by it

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
-from vllm_kvevict.vllm_glue import side_buffers, worker_state
-from vllm_kvevict.vllm_glue.side_buffers import (
+from vllm_kvevict.plugin.worker import side_buffers, worker_state
+from vllm_kvevict.plugin.worker.side_buffers import (
     SideBufferLayout,
     side_buffer_bytes,
     side_buffer_layout,
     side_buffer_terms,
 )
-from vllm_kvevict.vllm_glue.worker_state import (
+from vllm_kvevict.plugin.worker.worker_state import (
     WorkerEvictionState,
     adopt_worker_state,
     allocate_worker_state,
@@ -44,7 +44,7 @@ def no_preallocated_state(monkeypatch: pytest.MonkeyPatch) -> None:
 def evicting_spec(config, num_kv_heads: int, head_size: int, block_size: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
+    from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 
     base = FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32
@@ -272,7 +272,7 @@ def test_specs_reported_by_the_runner_allocate_max_num_seqs_rows(monkeypatch: py
 def test_the_runner_hook_allocates_when_the_specs_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_kvevict.vllm_glue import runner_hooks
+    from vllm_kvevict.plugin.worker import runner_hooks
 
     calls = []
     monkeypatch.setattr(GPUModelRunner, "get_kv_cache_spec", lambda self: {"layer": "spec"})

@@ -21,9 +21,9 @@ from vllm_kvevict.backend_name import GPU_BACKEND_NAME
 
 __version__ = "0.1.0"
 
-CPU_BACKEND = "vllm_kvevict.vllm_glue.cpu_backend.KVEvictCPUBackend"
+CPU_BACKEND = "vllm_kvevict.plugin.backends.cpu.backend.KVEvictCPUBackend"
 # On CUDA the backend is a new AttentionBackendEnum member, GPU_BACKEND_NAME.
-GPU_BACKEND = "vllm_kvevict.vllm_glue.gpu_backend.KVEvictTritonBackend"
+GPU_BACKEND = "vllm_kvevict.plugin.backends.triton.backend.KVEvictTritonBackend"
 
 # Set in the environment once the off warning is logged, so the engine and
 # worker processes a server starts (which inherit it) do not repeat it.
@@ -41,7 +41,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_kvevict.vllm_glue import compat
+    from vllm_kvevict.plugin import compat
 
     reason = compat.unsupported_reason()
     if reason is not None:
@@ -52,11 +52,11 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from vllm_kvevict.metrics import install_metrics_export
-    from vllm_kvevict.vllm_glue.cli import install_cli
-    from vllm_kvevict.vllm_glue.gate_capture import install_model_load_hook
-    from vllm_kvevict.vllm_glue.runner_hooks import install_side_buffer_hook
-    from vllm_kvevict.vllm_glue.request_guard import install_request_guard
-    from vllm_kvevict.vllm_glue.spec import register_spec
+    from vllm_kvevict.plugin.frontend.cli import install_cli
+    from vllm_kvevict.plugin.worker.gate_capture import install_model_load_hook
+    from vllm_kvevict.plugin.worker.runner_hooks import install_side_buffer_hook
+    from vllm_kvevict.plugin.frontend.request_guard import install_request_guard
+    from vllm_kvevict.plugin.scheduler.manager import register_spec
 
     if compat.platform_name() == "cuda":
         gpu_backend_member()
@@ -107,7 +107,7 @@ def _stay_off(reason: str) -> None:
             reason,
         )
     try:
-        from vllm_kvevict.vllm_glue.cli import install_refusal
+        from vllm_kvevict.plugin.frontend.cli import install_refusal
 
         install_refusal(reason)
     except Exception:  # noqa: BLE001 - vLLM changed beyond the hooks too

@@ -16,7 +16,7 @@ a V page. Compacted head-pages (``head_page_table``) hold their tokens in the
 plain logical order (element ``(t, d)`` at ``t * D + d`` of the page);
 standard-region pages (the request's ``block_table``) are in vLLM's ISA layout,
 read through the probed offset tables of
-:class:`~vllm_kvevict.vllm_glue.cpu_page_layout.PageLayout`. The batch
+:class:`~vllm_kvevict.plugin.backends.cpu.page_layout.PageLayout`. The batch
 (:class:`~vllm_kvevict.triton_kernels.batch.HeadPagedBatch`) and the semantics
 are those of
 :func:`~vllm_kvevict.triton_kernels.head_paged_attention.head_paged_attention_reference`

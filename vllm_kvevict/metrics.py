@@ -1,7 +1,7 @@
 """The plugin's Prometheus series, and how they reach vLLM's ``/metrics``.
 
 The values live where they are known: block accounting in the engine core's
-:class:`~vllm_kvevict.vllm_glue.spec.EvictionManager`, eviction work in the
+:class:`~vllm_kvevict.plugin.scheduler.manager.EvictionManager`, eviction work in the
 workers. Neither process serves ``/metrics``; the API server does. Two
 transports, picked by the same switch vLLM uses:
 

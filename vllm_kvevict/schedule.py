@@ -2,7 +2,7 @@
 
 Both sides of vLLM use this module and nothing else to agree on memory:
 
-* the scheduler's :class:`~vllm_kvevict.vllm_glue.spec.EvictionManager`
+* the scheduler's :class:`~vllm_kvevict.plugin.scheduler.manager.EvictionManager`
   frees every block below :meth:`EvictionSchedule.frontier`;
 * the worker's attention backend compacts the retained tokens of every
   (layer, KV head) into the slots ``[frontier, P)`` inside the forward pass

@@ -1,7 +1,7 @@
 """What the eviction engine asks of a KV cache, and what it tells about it.
 
 A backend implements :class:`CacheOps` for its device and page layout (vLLM's
-CPU pages in :mod:`vllm_kvevict.vllm_glue.cpu_head_pages`). The cache is a
+CPU pages in :mod:`vllm_kvevict.plugin.backends.cpu.head_pages`). The cache is a
 pool of blocks; block ``b`` holds one *head-page* per KV-head slot ``s``
 (id ``b * H + s``). Two kinds of storage live in it:
 

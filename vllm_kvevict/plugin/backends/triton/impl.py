@@ -1,5 +1,5 @@
 """The Triton path of an evicting Impl: cache operations on vLLM's logical
-cache view (:class:`~vllm_kvevict.vllm_glue.triton_cache.TritonPagedCache`)
+cache view (:class:`~vllm_kvevict.plugin.backends.triton.cache.TritonPagedCache`)
 and attention by the Triton kernel over per-(request, KV head) page tables,
 with MomentKV's moments in the same pass.
 
@@ -19,8 +19,8 @@ import torch
 from vllm.v1.attention.backend import AttentionLayer
 
 from vllm_kvevict.eviction.point import EvictionPoint
-from vllm_kvevict.vllm_glue.eviction_step import EvictingImpl, EvictionStepPlan
-from vllm_kvevict.vllm_glue.triton_cache import TritonPagedCache
+from vllm_kvevict.plugin.backends.eviction_step import EvictingImpl, EvictionStepPlan
+from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 
 
 class TritonEvictingImpl(EvictingImpl):

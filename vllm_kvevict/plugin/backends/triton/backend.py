@@ -14,7 +14,7 @@ With eviction on:
 * new tokens are written by torch indexing into the logical view (the step's
   real tokens, counted on the host: padded slots are skipped without a sync),
   the writer the CPU platform tests; attention and compaction run the kernels of
-  :mod:`vllm_kvevict.triton_kernels` (:mod:`~vllm_kvevict.vllm_glue.triton_impl`);
+  :mod:`vllm_kvevict.triton_kernels` (:mod:`~vllm_kvevict.plugin.backends.triton.impl`);
 * the metadata builder reports ``AttentionCGSupport.NEVER`` for evicting
   specs, so vLLM falls back to piecewise CUDA graphs: attention runs eagerly
   between the captured pieces, and an eviction step's host-side work (the
@@ -23,7 +23,7 @@ With eviction on:
   (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``), not from the
   device; eviction steps themselves sync where the engine reads counts;
 * Model Runner V2 and async scheduling are turned off at start-up
-  (:mod:`~vllm_kvevict.vllm_glue.cli`): the runner hooks wrap the V1 runner,
+  (:mod:`~vllm_kvevict.plugin.frontend.cli`): the runner hooks wrap the V1 runner,
   and the scheduler must see each step's frontier before it frees blocks.
 """
 
@@ -45,11 +45,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.backend_name import GPU_BACKEND_NAME
-from vllm_kvevict.vllm_glue.compat import check_gpu_backend_contract
-from vllm_kvevict.vllm_glue.eviction_step import EvictingBuilder, EvictionStepPlan, evicting_spec
-from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
-from vllm_kvevict.vllm_glue.triton_cache import write_new_tokens
-from vllm_kvevict.vllm_glue.triton_impl import TritonEvictingImpl
+from vllm_kvevict.plugin.compat import check_gpu_backend_contract
+from vllm_kvevict.plugin.backends.eviction_step import EvictingBuilder, EvictionStepPlan, evicting_spec
+from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
+from vllm_kvevict.plugin.backends.triton.cache import write_new_tokens
+from vllm_kvevict.plugin.backends.triton.impl import TritonEvictingImpl
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_gpu_backend_contract()

@@ -10,7 +10,7 @@
 
 Every buffer has one row per sequence vLLM may run at once
 (``--max-num-seqs``), allocated once before vLLM sizes the KV pool (see
-:mod:`~vllm_kvevict.vllm_glue.side_buffers`) and never grown or shrunk.
+:mod:`~vllm_kvevict.plugin.worker.side_buffers`) and never grown or shrunk.
 Rows are assigned per request id and go back to the pool when the request
 finishes, is aborted or is preempted. A request that starts over (new, or
 recomputed after preemption) gets a row and rewrites it from position 0, and
@@ -25,7 +25,7 @@ of every token each head has evicted. These are reset when a row is assigned.
 
 The counters (rows, side-buffer bytes, and the isolation check's poisoned
 blocks and NaN outputs) are published for tests and tools through a
-:class:`~vllm_kvevict.vllm_glue.snapshot.SnapshotWriter`.
+:class:`~vllm_kvevict.plugin.snapshot.SnapshotWriter`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from vllm_kvevict.eviction.point import StreamRows
 from vllm_kvevict.metrics import ProcessMetrics
 from vllm_kvevict.moments import Covariance, EvictedMoments
 from vllm_kvevict.schedule import EvictionSchedule
-from vllm_kvevict.vllm_glue.side_buffers import (
+from vllm_kvevict.plugin.worker.side_buffers import (
     LOG_BETA_DTYPE,
     PAGE_DTYPE,
     POSITION_DTYPE,
@@ -52,7 +52,7 @@ from vllm_kvevict.vllm_glue.side_buffers import (
     log_beta_error,
     side_buffer_layout,
 )
-from vllm_kvevict.vllm_glue.snapshot import SnapshotWriter
+from vllm_kvevict.plugin.snapshot import SnapshotWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -433,7 +433,7 @@ def preallocate_for_kv_cache_specs(
     from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
     from vllm_kvevict.config import config_from_additional
-    from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
+    from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 
     evicting = {name: spec for name, spec in specs.items() if isinstance(spec, EvictingAttentionSpec)}
     config = config_from_additional(vllm_config.additional_config)

@@ -176,17 +176,12 @@ def _check_settings_for_model(config: EvictionConfig, vllm_config: Any) -> None:
 
 def _check_learned(config: EvictionConfig, vllm_config: Any) -> None:
     from vllm_kvevict.policies.gate_checkpoints import GateCheckpointError, gates_for_model
-    from vllm_kvevict.vllm_glue.gate_capture import SUPPORTED_ARCHITECTURES
+    from vllm_kvevict.plugin.gate_models import SUPPORTED_ARCHITECTURES, unsupported_architecture
 
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config, "architectures", None) or [])
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        _fail(
-            f"policy 'learned' reads each layer's hidden state inside the model, which "
-            f"vllm-kvevict does for {', '.join(SUPPORTED_ARCHITECTURES)}, not for "
-            f"{', '.join(architectures) or 'this model'}; serve it with another policy "
-            "(e.g. --kv-eviction snapkv)"
-        )
+        _fail(unsupported_architecture(', '.join(architectures) or 'this model'))
     hf = model_config.hf_text_config
     try:
         gates_for_model(
@@ -242,7 +237,7 @@ def eviction_platform_rules(
     process's environment (read only: the changes say what to set).
     """
     from vllm_kvevict.backend_name import GPU_BACKEND_NAME
-    from vllm_kvevict.vllm_glue.compat import VLLMContractError, check_platform
+    from vllm_kvevict.plugin.compat import VLLMContractError, check_platform
 
     if platform not in ("cpu", "cuda"):
         try:
@@ -377,7 +372,7 @@ def _install() -> None:
             if config is None:
                 return original_create(self, *args, **kwargs)
             _reject_incompatible_args(self, config.prefix_caching)
-            from vllm_kvevict.vllm_glue.compat import platform_name
+            from vllm_kvevict.plugin.compat import platform_name
 
             changes = eviction_platform_rules(platform_name(), self, config, os.environ)
             apply_platform_changes(self, changes)

@@ -5,7 +5,7 @@ Registered over ``AttentionBackendEnum.CPU_ATTN`` (the CPU platform ignores
 falls through to vLLM's own CPU backend.
 
 With eviction on, the builder plans each step and the Impl runs the eviction
-engine layer by layer (:mod:`~vllm_kvevict.vllm_glue.eviction_step`), with
+engine layer by layer (:mod:`~vllm_kvevict.plugin.backends.eviction_step`), with
 the kernels ``attention_kernel`` names:
 
 * ``native``: with ``slots`` storage vLLM's C++ kernel through a block table
@@ -15,10 +15,10 @@ the kernels ``attention_kernel`` names:
   vLLM's for those that have not (a prompt's chunks before its end-of-prompt
   eviction: every token still in its standard slots). New tokens are written by vLLM's own
   ``do_kv_cache_update`` in its ISA page order, which
-  :class:`~vllm_kvevict.vllm_glue.cpu_head_pages.HeadPagedCache` reads
+  :class:`~vllm_kvevict.plugin.backends.cpu.head_pages.HeadPagedCache` reads
   through the probed layout;
 * ``torch``: the same over the torch implementation;
-* ``triton``: the CUDA backend's path (:mod:`~vllm_kvevict.vllm_glue.triton_impl`)
+* ``triton``: the CUDA backend's path (:mod:`~vllm_kvevict.plugin.backends.triton.impl`)
   under Triton's interpreter: new tokens written by torch indexing into
   vLLM's logical ``[blocks, H, block_size, K|V]`` view, attention and
   compaction by the Triton kernels. Slow, and the way the GPU path is tested
@@ -46,17 +46,17 @@ from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.point import EvictionPoint
 from vllm_kvevict.top_k import use_native_selection
-from vllm_kvevict.vllm_glue.compat import check_cpu_backend_contract
-from vllm_kvevict.vllm_glue.cpu_head_pages import HeadPagedCache, head_paged_cache
-from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout, probe_page_layout
-from vllm_kvevict.vllm_glue.eviction_step import (
+from vllm_kvevict.plugin.compat import check_cpu_backend_contract
+from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache, head_paged_cache
+from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.plugin.backends.eviction_step import (
     EvictingBuilder,
     EvictionStepPlan,
     active_config,
     evicting_spec,
 )
-from vllm_kvevict.vllm_glue.triton_cache import write_new_tokens
-from vllm_kvevict.vllm_glue.triton_impl import TritonEvictingImpl
+from vllm_kvevict.plugin.backends.triton.cache import write_new_tokens
+from vllm_kvevict.plugin.backends.triton.impl import TritonEvictingImpl
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_cpu_backend_contract()

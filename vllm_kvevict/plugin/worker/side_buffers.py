@@ -41,7 +41,7 @@ from vllm_kvevict.moments import Covariance
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec
+    from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 
 POSITION_DTYPE = torch.int32
 PAGE_DTYPE = torch.int32

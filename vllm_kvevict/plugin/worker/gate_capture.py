@@ -23,13 +23,9 @@ import torch
 from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
 from vllm_kvevict.policies.gate_checkpoints import GateCheckpointError, gates_for_model
 from vllm_kvevict.policies.retention_gate import LearnedRetentionPolicy, RetentionGates
-from vllm_kvevict.vllm_glue.layer_neighbours import resolve_model_parts
+from vllm_kvevict.plugin.gate_models import SUPPORTED_ARCHITECTURES, unsupported_architecture
+from vllm_kvevict.plugin.worker.layer_neighbours import resolve_model_parts
 
-# Decoder layers whose attention module is called as
-# ``self_attn(positions=..., hidden_states=input_layernorm(x))``, the gate's input.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)
 
 
 @dataclass
@@ -80,11 +76,7 @@ def decoder_attention_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Mod
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if architecture not in SUPPORTED_ARCHITECTURES or layers is None:
-        raise KVEvictionConfigError(
-            f"policy 'learned' reads each layer's hidden state inside the model, which "
-            f"vllm-kvevict does for {', '.join(SUPPORTED_ARCHITECTURES)}, not for "
-            f"{architecture}; serve it with another policy (e.g. --kv-eviction snapkv)"
-        )
+        raise KVEvictionConfigError(unsupported_architecture(architecture))
     found = []
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
@@ -148,7 +140,7 @@ _installed = False
 def install_model_load_hook() -> None:
     """Right after the worker loads the model, before vLLM's profiling run
     compiles it: hook the gates in, and look up the model parts the policy
-    reads (:func:`~vllm_kvevict.vllm_glue.layer_neighbours.resolve_model_parts`)."""
+    reads (:func:`~vllm_kvevict.plugin.worker.layer_neighbours.resolve_model_parts`)."""
     global _installed
     if _installed:
         return

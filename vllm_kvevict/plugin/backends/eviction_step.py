@@ -47,20 +47,21 @@ from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
-from vllm_kvevict.vllm_glue.gate_capture import current_capture
-from vllm_kvevict.vllm_glue.isolation_check import PoisonFreedBlocks, StepObserver
-from vllm_kvevict.vllm_glue.layer_neighbours import model_parts
-from vllm_kvevict.vllm_glue.runner_hooks import (
+from vllm_kvevict.plugin.worker.gate_capture import current_capture
+from vllm_kvevict.plugin.worker.isolation_check import PoisonFreedBlocks, StepObserver
+from vllm_kvevict.plugin.worker.layer_neighbours import model_parts
+from vllm_kvevict.plugin.worker.runner_hooks import (
     BatchContext,
     building_dummy_run,
     current_batch,
     install_runner_hooks,
     on_requests_finished,
 )
-from vllm_kvevict.vllm_glue.snapshot import STATS_PATH_ENV, SnapshotWriter
-from vllm_kvevict.vllm_glue.spec import EvictingAttentionSpec, is_plain_full_attention
-from vllm_kvevict.vllm_glue.side_buffers import side_buffer_layout
-from vllm_kvevict.vllm_glue.worker_state import WorkerEvictionState, adopt_worker_state
+from vllm_kvevict.plugin.snapshot import STATS_PATH_ENV, SnapshotWriter
+from vllm_kvevict.plugin.vllm_fixes import install_cpu_seeded_sampling_fix
+from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec, is_plain_full_attention
+from vllm_kvevict.plugin.worker.side_buffers import side_buffer_layout
+from vllm_kvevict.plugin.worker.worker_state import WorkerEvictionState, adopt_worker_state
 
 # A child of vLLM's logger: its lines carry vLLM's format, level and handler.
 logger = init_logger(f"vllm.{__name__}")
@@ -321,6 +322,7 @@ class EvictingBuilder:
             self.state.snapshot = SnapshotWriter(f"{stats_path}.worker{rank}")
             self.state.write_snapshot(force=True)
         install_runner_hooks()
+        install_cpu_seeded_sampling_fix()
         on_requests_finished(self.state.release)
         on_requests_finished(self.observer.requests_released)
         return True

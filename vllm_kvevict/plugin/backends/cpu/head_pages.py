@@ -20,7 +20,7 @@ from vllm import _custom_ops as ops
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.eviction.cache_ops import CacheOps, CopiesHeads
 from vllm_kvevict.schedule import cdiv
-from vllm_kvevict.vllm_glue.cpu_page_layout import PageLayout
+from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout
 
 
 @dataclass

@@ -8,15 +8,6 @@ model runner keeps from the request's first arrival, across preemption) carry
 its own eviction settings. The V1 model
 runner (the one vLLM's CPU platform uses) knows them; we wrap two of its
 methods to publish them, only in worker processes and only once.
-
-One more wrap fixes a vLLM 0.32 CPU crash that serving long prompts hits: a
-seeded sampling request (``seed`` with temperature > 0) whose prompt takes
-several steps samples a token at each partial-prefill step, discards it, and
-rewinds its generator with ``Generator.set_offset``, which CPU generators do
-not support ("CPU Generator does not use offset": the worker dies and takes
-the engine with it). We restore the generator's state after a discarded
-sample instead, which is what the rewind means, so a seeded request samples
-the same text however its prompt was cut into steps.
 """
 
 from __future__ import annotations
@@ -67,13 +58,11 @@ def install_runner_hooks() -> None:
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_kvevict.vllm_glue.compat import check_runner_contract
+    from vllm_kvevict.plugin.compat import check_runner_contract
 
     check_runner_contract(GPUModelRunner)
     build_metadata = GPUModelRunner._build_attention_metadata
     update_states = GPUModelRunner._update_states
-    sample = GPUModelRunner._sample
-    bookkeeping_sync = GPUModelRunner._bookkeeping_sync
 
     @functools.wraps(build_metadata)
     def _build_attention_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,42 +97,8 @@ def install_runner_hooks() -> None:
                 listener(finished)
         return update_states(self, scheduler_output)
 
-    def _discarded_cpu_generators(self: Any) -> dict[int, Any]:
-        """Seeded CPU generators of the requests whose sample this step discards."""
-        num_reqs = self.input_batch.num_reqs
-        generators = self.input_batch.generators
-        return {
-            int(i): generators[int(i)]
-            for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
-            if int(i) in generators and generators[int(i)].device.type == "cpu"
-        }
-
-    @functools.wraps(sample)
-    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        saved = {i: g.get_state() for i, g in self._discarded_cpu_generators().items()}
-        output = sample(self, *args, **kwargs)
-        generators = self.input_batch.generators
-        for i, state in saved.items():
-            generators[i].set_state(state)
-        return output
-
-    @functools.wraps(bookkeeping_sync)
-    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Already rewound in _sample: hide them from the offset rewind.
-        hidden = self._discarded_cpu_generators()
-        generators = self.input_batch.generators
-        for i in hidden:
-            del generators[i]
-        try:
-            return bookkeeping_sync(self, *args, **kwargs)
-        finally:
-            generators.update(hidden)
-
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
     GPUModelRunner._update_states = _update_states
-    GPUModelRunner._discarded_cpu_generators = _discarded_cpu_generators
-    GPUModelRunner._sample = _sample
-    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     _installed = True
 
 
@@ -162,7 +117,7 @@ def install_side_buffer_hook() -> None:
     reports its KV-cache specs: after the model is loaded and before vLLM
     measures memory to size the KV pool (``determine_available_memory``), so
     the pool is sized around them and a setting whose buffers do not fit
-    stops start-up (:mod:`~vllm_kvevict.vllm_glue.side_buffers`)."""
+    stops start-up (:mod:`~vllm_kvevict.plugin.worker.side_buffers`)."""
     global _side_buffers_hooked
     if _side_buffers_hooked:
         return
@@ -173,7 +128,7 @@ def install_side_buffer_hook() -> None:
     @functools.wraps(get_kv_cache_spec)
     def _get_kv_cache_spec(self: Any) -> Any:
         specs = get_kv_cache_spec(self)
-        from vllm_kvevict.vllm_glue.worker_state import preallocate_for_kv_cache_specs
+        from vllm_kvevict.plugin.worker.worker_state import preallocate_for_kv_cache_specs
 
         preallocate_for_kv_cache_specs(specs, self.vllm_config, self.device)
         return specs
