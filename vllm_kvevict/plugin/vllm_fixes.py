@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-_seeded_sampling_fixed = False
+_seeded_sampling_fixed = False  # wrapped once per process
 
 
 def _discarded_cpu_generators(runner: Any) -> dict[int, Any]:

@@ -45,11 +45,11 @@ from vllm_kvevict.config import (
 
 logger = logging.getLogger(__name__)
 
-_installed = False
+_installed = False  # the engine arguments are wrapped once per process
 # Set on EngineArgs built from the command line, where a mistake ends the
 # process with one line instead of raising.
 _CLI_MARK = "_kvevict_from_command_line"
-_warned_cuda = False
+_warned_cuda = False  # the CUDA start-up warning, once per process
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 CUDA_STATUS_WARNING = (

@@ -34,7 +34,7 @@ RESUMABLE_REFUSAL = (
     "without --kv-eviction"
 )
 
-_installed = False
+_installed = False  # the input processor is wrapped once per process
 
 
 def check_request_eviction(vllm_config: Any, request: Any) -> None:

@@ -48,6 +48,8 @@ class GateCapture:
         return log_beta[:num_tokens]
 
 
+# Per worker process: the one model it loaded has one set of gates, whose
+# inputs the model's forward captures and the backends take.
 _capture: GateCapture | None = None
 
 
@@ -134,7 +136,7 @@ def _pass_through_gate(
     return args, kwargs
 
 
-_installed = False
+_installed = False  # the model loader is wrapped once per process
 
 
 def install_model_load_hook() -> None:

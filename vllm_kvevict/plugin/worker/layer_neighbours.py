@@ -119,6 +119,7 @@ class ModelParts:
     output_projection: torch.Tensor | None = None  # [Hq_local, D, d_model] fp32
 
 
+# Per worker process: found in the one model it loaded, by attention layer name.
 _model_parts: dict[str, ModelParts] = {}
 
 

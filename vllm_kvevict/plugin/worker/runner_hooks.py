@@ -29,11 +29,15 @@ class BatchContext:
     """Each request's ``SamplingParams.extra_args`` (empty: none known)."""
 
 
+# Per worker process: one model runner builds one batch's metadata at a time,
+# and the backends' builders read it during that call.
 _current: BatchContext | None = None
 # Whether attention metadata is being built now, and for a real step.
 _building: bool = False
+# Per worker process: the worker state and the isolation check, told of
+# requests that ended.
 _finished_listeners: list[Callable[[set[str]], None]] = []
-_installed = False
+_installed = False  # the model runner's methods are wrapped once per process
 
 
 def current_batch() -> BatchContext | None:
@@ -109,7 +113,7 @@ def _extra_args(state: Any) -> dict[str, Any] | None:
     return getattr(params, "extra_args", None)
 
 
-_side_buffers_hooked = False
+_side_buffers_hooked = False  # wrapped once per process
 
 
 def install_side_buffer_hook() -> None:
