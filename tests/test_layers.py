@@ -61,7 +61,7 @@ SAME_PROCESS = {("backends", "worker")}
 # Modules the walk must find: a layout it cannot read fails here instead of
 # passing with nothing to check.
 EXPECTED = ("vllm_kvevict.triton_kernels.batch", "vllm_kvevict.cpu_ops", "vllm_kvevict.policies.base",
-            "vllm_kvevict.eviction.select", "vllm_kvevict.plugin.backends.eviction_step", "vllm_kvevict.cli")
+            "vllm_kvevict.eviction.select", "vllm_kvevict.plugin.backends.step_plan", "vllm_kvevict.plugin.backends.evicting_impl", "vllm_kvevict.cli")
 
 
 @dataclass(frozen=True)

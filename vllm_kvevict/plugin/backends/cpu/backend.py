@@ -5,7 +5,7 @@ Registered over ``AttentionBackendEnum.CPU_ATTN`` (the CPU platform ignores
 falls through to vLLM's own CPU backend.
 
 With eviction on, the builder plans each step and the Impl runs the eviction
-engine layer by layer (:mod:`~vllm_kvevict.plugin.backends.eviction_step`), with
+engine layer by layer (:mod:`~vllm_kvevict.plugin.backends.evicting_impl`), with
 the kernels ``attention_kernel`` names:
 
 * ``native``: with ``slots`` storage vLLM's C++ kernel through a block table
@@ -49,7 +49,7 @@ from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.plugin.compat import check_cpu_backend_contract
 from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache, head_paged_cache
 from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
-from vllm_kvevict.plugin.backends.eviction_step import (
+from vllm_kvevict.plugin.backends.step_plan import (
     EvictingBuilder,
     EvictionStepPlan,
     active_config,

@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.backend_name import GPU_BACKEND_NAME
 from vllm_kvevict.plugin.compat import check_gpu_backend_contract
-from vllm_kvevict.plugin.backends.eviction_step import EvictingBuilder, EvictionStepPlan, evicting_spec
+from vllm_kvevict.plugin.backends.step_plan import EvictingBuilder, EvictionStepPlan, evicting_spec
 from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 from vllm_kvevict.plugin.backends.triton.cache import write_new_tokens
 from vllm_kvevict.plugin.backends.triton.impl import TritonEvictingImpl

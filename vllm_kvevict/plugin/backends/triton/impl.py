@@ -19,7 +19,8 @@ import torch
 from vllm.v1.attention.backend import AttentionLayer
 
 from vllm_kvevict.eviction.point import EvictionPoint
-from vllm_kvevict.plugin.backends.eviction_step import EvictingImpl, EvictionStepPlan
+from vllm_kvevict.plugin.backends.evicting_impl import EvictingImpl
+from vllm_kvevict.plugin.backends.step_plan import EvictionStepPlan
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 
 

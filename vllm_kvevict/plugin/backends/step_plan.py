@@ -1,55 +1,34 @@
-"""What every evicting attention backend shares: the step plan, built once per
-step by the metadata builder, and the per-layer forward that runs the
-eviction engine.
+"""The step plan of every evicting attention backend: built once per step by
+the metadata builder (:class:`EvictingBuilder`), read by each layer's forward
+(:mod:`~vllm_kvevict.plugin.backends.evicting_impl`).
 
-A backend (``cpu_backend``, ``gpu_backend``) subclasses vLLM's metadata
-builder and Impl for its platform and mixes in :class:`EvictingBuilder` and
-:class:`EvictingImpl`; it supplies the cache operations and the attention
-kernels (:class:`EvictingImpl`'s ``_`` hooks). The builder turns the
-scheduler's batch into one :class:`EvictionStepPlan` per step (the eviction
-points each request reaches, from :mod:`vllm_kvevict.schedule`); the Impl
-runs, per layer:
-
-* attention over each request's live tokens;
-* at each eviction point, after the attention of the tokens before it, the
-  eviction engine (:mod:`vllm_kvevict.eviction`) on this layer's cache; the
-  tokens of the step after the point then attend over what it left. Within
-  one layer that is exact: the layer's queries, keys and values depend only
-  on the layer below, so the request's output is the same as if the scheduler
-  had cut its steps at the points. The scheduler frees the blocks below the
-  new frontier once the step's output is in.
-
-RoPE positions stay true: only what attention reads changes.
+A backend (``backends/cpu``, ``backends/triton``) subclasses vLLM's metadata
+builder for its platform and mixes in :class:`EvictingBuilder`, which turns
+the scheduler's batch into one :class:`EvictionStepPlan` per step: the
+eviction points each request reaches (from :mod:`vllm_kvevict.schedule`),
+its side-buffer rows and its live blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import AttentionLayer, CommonAttentionMetadata
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
-from vllm_kvevict.eviction.cache_ops import CacheOps
-from vllm_kvevict.eviction.global_pages import compact_global
-from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages
-from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, observation_queries
+from vllm_kvevict.eviction.point import EvictionPoint
 from vllm_kvevict.eviction.select import KeepRule
-from vllm_kvevict.eviction.slots import evict_slots
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
-from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.schedule import EvictionSchedule
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
-from vllm_kvevict.plugin.worker.gate_capture import current_capture
 from vllm_kvevict.plugin.worker.isolation_check import PoisonFreedBlocks, StepObserver
-from vllm_kvevict.plugin.worker.layer_neighbours import model_parts
 from vllm_kvevict.plugin.worker.runner_hooks import (
     BatchContext,
     building_dummy_run,
@@ -293,7 +272,7 @@ class EvictingBuilder:
         )
         rank, world_size = _tensor_parallel_layout()
         # With more ranks than KV heads vLLM replicates each KV head on
-        # consecutive ranks (see _whole_query_group); fixed for the worker's life.
+        # consecutive ranks (see whole_query_group); fixed for the worker's life.
         total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.kv_head_replicas = max(1, world_size // total_kv_heads)
         if policy.needs_output_projection and self.kv_head_replicas > 1:
@@ -486,227 +465,6 @@ class EvictingBuilder:
         )
 
 
-class EvictingImpl:
-    """Mixed into a backend's attention Impl: a layer's forward with eviction.
-
-    The backend supplies :meth:`_layer_cache` (the engine's cache operations
-    on vLLM's view of one layer's cache), :meth:`_pool_cache` (the same on
-    every layer's blocks as one pool, for global eviction), :meth:`_attend_step`
-    (every token of the step over its request's live tokens),
-    :meth:`_attend_segment` (the tokens after an eviction point) and
-    :meth:`_attend_head_pages` (the head-paged kernel, for global eviction).
-    """
-
-    scale: float
-    head_size: int
-    num_heads: int
-
-    def init_eviction(self) -> None:
-        remember_worker_config()
-
-    # Backend hooks.
-
-    def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
-        raise NotImplementedError
-
-    def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
-        """Cache operations on ``blocks``, every layer's blocks in the layout
-        of ``_layer_cache(...).kv_cache``."""
-        raise NotImplementedError
-
-    def _attend_step(
-        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        cache: CacheOps, attn_metadata: Any, output: torch.Tensor,
-    ) -> None:
-        raise NotImplementedError
-
-    def _attend_segment(
-        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        cache: CacheOps, output: torch.Tensor,
-    ) -> None:
-        raise NotImplementedError
-
-    def _attend_head_pages(
-        self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: CacheOps,
-        output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
-        requests: slice, region_start: torch.Tensor, block_offset: int = 0,
-    ) -> None:
-        raise NotImplementedError
-
-    # The forward.
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """vLLM's forward (the backend's base Impl, next in the MRO) unless the
-        step has an eviction plan."""
-        plan = getattr(attn_metadata, "eviction", None)
-        if plan is None:
-            return super().forward(  # type: ignore[misc]
-                layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale, output_block_scale,
-            )
-        return self.forward_evicting(plan, layer, query, key, value, kv_cache, attn_metadata, output)
-
-    def forward_evicting(
-        self,
-        plan: EvictionStepPlan,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-    ) -> torch.Tensor:
-        layer_index = plan.layer_index[layer.layer_name]
-        state, num_tokens = plan.state, plan.query_start[-1]
-        cache = self._layer_cache(layer, kv_cache, plan)
-        plan.observer.layer_started(layer_index, kv_cache, cache)
-        if plan.storage == "global":
-            self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
-            if plan.rule.policy.needs_queries:
-                for i, ev in plan.last_compactions.items():
-                    plan.pooled_queries[layer_index, i] = self._observation(plan, layer_index, ev, query)
-        else:
-            self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
-        # The eviction engine's calls alone are timed: the attention of the
-        # tokens after a point is the step's own work, evicting or not.
-        for ev in plan.evictions:
-            started = time.perf_counter()
-            if plan.storage == "slots":
-                counts = evict_slots(
-                    cache, plan.rule, ev, state.positions[layer_index, ev.state_row],
-                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
-                    layer_index, plan.observer,
-                )
-                if counts is not None:
-                    state.observe_head_retained(counts)
-            elif plan.storage == "head_pages" and ev.compacts:
-                counts = compact_head_pages(
-                    cache, plan.rule, ev, state.stream_rows(layer_index, ev.state_row),
-                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
-                    layer_index, plan.observer,
-                )
-                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
-            else:
-                continue  # global: the step's end ranks every layer; nothing moves here
-            plan.eviction_seconds += time.perf_counter() - started
-            if ev.segment_end > ev.point:
-                self._attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
-        if plan.storage == "global" and layer_index == state.num_layers - 1:
-            started = time.perf_counter()
-            self._compact_global(plan)
-            plan.eviction_seconds += time.perf_counter() - started
-        plan.observer.layer_finished(output[:num_tokens])
-        if layer_index == len(plan.layer_index) - 1:
-            state.end_step(plan.num_evictions, plan.eviction_seconds)
-        if plan.ring_tokens is not None:
-            ring = state.query_ring[layer_index]
-            ring.view(-1, *ring.shape[2:]).index_copy_(
-                0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
-            )
-        return output
-
-    def _scoring_inputs(
-        self, plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
-    ) -> ScoringInputsFor:
-        """What the policy scores with at ``ev``: the observation queries and
-        the model parts it asks for, around the tokens the engine gathers."""
-        policy, name = plan.rule.policy, plan.layer_names[layer_index]
-        queries = query_positions = None
-        if policy.needs_queries:
-            queries, query_positions = self._observation(plan, layer_index, ev, query)
-        rotary = projection = None
-        if policy.needs_rotary or policy.needs_output_projection:
-            parts = model_parts(name)  # looked up when the model was loaded
-            rotary, projection = parts.rotary, parts.output_projection
-
-        def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:
-            return ScoringInputs(
-                keys, values, positions, queries, query_positions, self.scale, evicted,
-                rotary=rotary, output_projection=projection,
-            )
-
-        return inputs
-
-    @staticmethod
-    def _observation(
-        plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The observation queries of ``ev`` in this layer (before the layer's
-        ring takes this step's queries), completed to whole query groups."""
-        ring = plan.state.query_ring[layer_index, ev.state_row]
-        queries, positions = observation_queries(ring, query, ev)
-        if plan.kv_head_replicas > 1:
-            queries = _whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
-        return queries, positions
-
-    def _global_forward(
-        self,
-        plan: EvictionStepPlan,
-        layer: AttentionLayer,
-        layer_index: int,
-        query: torch.Tensor,
-        cache: Any,
-        attn_metadata: Any,
-        output: torch.Tensor,
-    ) -> None:
-        """Pooled layers (head_budget global or pyramid): store this step's log β
-        (the learned policy's) and attend over the
-        layer's page tables (pages of any layer). Every layer is ranked
-        together after the last one, at the step's last compacting point
-        (DBTrimKV compresses between forward passes): tokens of the step after
-        an earlier point attend to the uncompacted cache, which the request
-        holds during the step anyway, and the blocks freed are the schedule's."""
-        state, bs = plan.state, plan.schedule.block_size
-        whole, offset = state.global_kv(layer_index, cache.kv_cache, bs)
-        num_tokens = plan.query_start[-1]
-        if plan.rule.policy.needs_log_beta:
-            capture = current_capture()
-            if capture is None:
-                raise RuntimeError("policy 'learned' is serving, but no retention gates were loaded")
-            log_beta = capture.take(layer.layer_name, num_tokens)[:, plan.local_kv_heads]
-            slots = attn_metadata.slot_mapping[:num_tokens].long()
-            pages = block_head_pages(offset + slots // bs, cache.num_heads).view(num_tokens, -1)
-            state.log_beta_pages[pages.long(), (slots % bs)[:, None].expand_as(pages)] = log_beta.float()
-            if layer_index == state.num_layers - 1:
-                capture.pending.clear()  # what vLLM's dummy runs left behind
-        query_start, seq_lens, _ = plan.device_lengths(query.device)
-        self._attend_head_pages(
-            plan, layer_index, query[:num_tokens], self._pool_cache(whole, plan),
-            output[:num_tokens], query_start, seq_lens, slice(None), plan.region_start, offset,
-        )
-
-    def _compact_global(self, plan: EvictionStepPlan) -> None:
-        """Each request's last compacting point of the step, over every layer."""
-        state = plan.state
-        assert state.global_cache is not None
-        cache = self._pool_cache(state.global_cache, plan)
-        for i, ev in plan.last_compactions.items():
-            per_layer = compact_global(
-                cache, plan.rule, ev,
-                [state.stream_rows(layer_index, ev.state_row) for layer_index in range(state.num_layers)],
-                [state.layer_block_offset[layer_index] for layer_index in range(state.num_layers)],
-                state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
-                plan.frontier_before[i], self.scale, plan.observer,
-                [plan.pooled_queries.get((layer_index, i)) for layer_index in range(state.num_layers)],
-            )
-            for layer_index, counts in enumerate(per_layer):
-                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
-
-
 class _NeverEvicts:
     """The schedule of a request that opted out (``kv_eviction: "off"``): its
     frontier stays at 0 and it reaches no eviction point."""
@@ -772,7 +530,7 @@ def _tensor_parallel_layout() -> tuple[int, int]:
         return 0, 1
 
 
-def _whole_query_group(
+def whole_query_group(
     queries: torch.Tensor, replicas: int, first_replica_rank: int
 ) -> torch.Tensor:
     """This rank's observation queries, ``[Hq_local, W, D]``, completed to every
