@@ -55,12 +55,8 @@ def _break_snapkv(how: str) -> None:
     SnapKVPolicy.score = score
 
 
-def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> dict:
+def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str, kv_cache_memory: int) -> dict:
     from vllm import LLM, SamplingParams
-
-    from vllm_kvevict.evaluation.serving_bench import kv_block_bytes, kv_cache_memory_bytes
-
-    block_bytes = kv_block_bytes(json.loads((Path(model_dir) / "config.json").read_text()), BLOCK_SIZE, 4)
 
     settings, how, _ = CASES[case]
     _break_snapkv(how)
@@ -69,7 +65,7 @@ def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> d
     llm = LLM(
         model_dir, dtype="float32", max_model_len=4096, block_size=BLOCK_SIZE,
         max_num_batched_tokens=512, max_num_seqs=4, enforce_eager=True, seed=0,
-        kv_cache_memory_bytes=kv_cache_memory_bytes(POOL_BLOCKS, block_bytes),
+        kv_cache_memory_bytes=kv_cache_memory,
         additional_config={"kv_eviction": settings},
     )
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -91,7 +87,8 @@ def run_engines(model_dir: str, prompt: list[int], out_dir: str, case: str) -> d
 def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from helpers import bind_to_engine_core
+    from helpers import bind_to_engine_core, model_block_bytes
+    from vllm_kvevict.evaluation.serving_bench import kv_cache_memory_bytes
     from vllm_kvevict.evaluation.tasks import needle_prompt
     from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
 
@@ -103,7 +100,8 @@ def runs(tmp_path_factory):
                KVEVICT_POISON_FREED_BLOCKS="1")
     request = work / "request.json"
     request.write_text(json.dumps({"model_dir": tiny, "prompt": prompt, "out_dir": str(work),
-                                   "result": str(work / "result.json")}))
+                                   "result": str(work / "result.json"),
+                                   "kv_cache_memory": kv_cache_memory_bytes(POOL_BLOCKS, model_block_bytes(tiny, BLOCK_SIZE))}))
     log = work / "engines.log"
     with open(log, "w") as handle:
         proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
@@ -144,7 +142,7 @@ def test_each_failure_is_logged_once(runs):
 if __name__ == "__main__":
     if sys.argv[1] == "--case":  # one engine: python FILE --case NAME REQUEST RESULT
         name, spec = sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
-        out = run_engines(spec["model_dir"], spec["prompt"], spec["out_dir"], name)
+        out = run_engines(spec["model_dir"], spec["prompt"], spec["out_dir"], name, spec["kv_cache_memory"])
         Path(sys.argv[4]).write_text(json.dumps(out))
     else:  # every case, one process each: each breaks SnapKV its own way
         spec = json.loads(Path(sys.argv[1]).read_text())

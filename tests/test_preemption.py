@@ -165,6 +165,7 @@ def engine(request, model_dir, tiny_model_dir, tiny_gates, tmp_path_factory):
     from vllm import LLM
 
     from vllm_kvevict.config import build_config
+    from vllm_kvevict.evaluation.serving_bench import kv_cache_memory_bytes
 
     case = CASES[request.param]
     eviction = case.eviction(tiny_gates)
@@ -183,7 +184,7 @@ def engine(request, model_dir, tiny_model_dir, tiny_gates, tmp_path_factory):
         max_num_seqs=8,
         enforce_eager=True,
         disable_log_stats=False,
-        kv_cache_memory_bytes=(POOL_BLOCKS + case.extra_blocks) * model_block_bytes(model) + 4096,
+        kv_cache_memory_bytes=kv_cache_memory_bytes(POOL_BLOCKS + case.extra_blocks, model_block_bytes(model)),
         enable_prefix_caching=eviction.get("prefix_caching") == "shared",
         additional_config={"kv_eviction": eviction},
     )

@@ -63,7 +63,8 @@ def _settings(case: str, gates_dir: str) -> dict:
     return eviction
 
 
-def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str, backend: str) -> dict:
+def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str, backend: str,
+                kv_cache_memory: int) -> dict:
     """Every case with each kernel (``backend`` cpu), or the GPU backend's
     cases (``backend`` gpu), one engine at a time: token ids and stats."""
     if backend == "gpu":
@@ -74,10 +75,6 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
         vllm_kvevict.gpu_backend_member()  # the enum member its get_name() returns
         register_backend(AttentionBackendEnum.CPU_ATTN, vllm_kvevict.GPU_BACKEND)
     from vllm import LLM, SamplingParams
-
-    from vllm_kvevict.evaluation.serving_bench import kv_block_bytes, kv_cache_memory_bytes
-
-    block_bytes = kv_block_bytes(json.loads((Path(model_dir) / "config.json").read_text()), BLOCK_SIZE, 4)
 
     runs = [(name, kernel) for name in CASES for kernel in KERNELS]
     if backend == "gpu":
@@ -96,7 +93,7 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
             max_num_seqs=4,
             enforce_eager=True,
             seed=0,
-            kv_cache_memory_bytes=kv_cache_memory_bytes(POOL_BLOCKS, block_bytes),
+            kv_cache_memory_bytes=kv_cache_memory,
             additional_config={"kv_eviction": {**_settings(name, gates_dir), "attention_kernel": kernel}},
         )
         outputs = llm.generate(
@@ -122,13 +119,15 @@ def run_engines(model_dir: str, prompt: list[int], gates_dir: str, out_dir: str,
 def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from helpers import bind_to_engine_core
+    from helpers import bind_to_engine_core, model_block_bytes
+    from vllm_kvevict.evaluation.serving_bench import kv_cache_memory_bytes
     from vllm_kvevict.evaluation.tasks import needle_prompt
     from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
 
     tiny = str(fetch_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     prompt = tokenizer(needle_prompt(tokenizer, 2718, target_tokens=PROMPT_TOKENS)).input_ids
+    kv_cache_memory = kv_cache_memory_bytes(POOL_BLOCKS, model_block_bytes(tiny, BLOCK_SIZE))
     work = tmp_path_factory.mktemp("triton_path")
     gates_dir = str(build_tiny_gates(Path(tiny), work / "gates"))
     env = dict(
@@ -142,7 +141,8 @@ def runs(tmp_path_factory):
     for backend in ("cpu", "gpu"):
         request, result = work / f"request-{backend}.json", work / f"result-{backend}.json"
         request.write_text(json.dumps({"model_dir": tiny, "prompt": prompt, "gates_dir": gates_dir,
-                                       "out_dir": str(work), "result": str(result), "backend": backend}))
+                                       "out_dir": str(work), "result": str(result), "backend": backend,
+                                       "kv_cache_memory": kv_cache_memory}))
         log = work / f"engines-{backend}.log"
         with open(log, "w") as handle:
             proc = subprocess.run([sys.executable, __file__, str(request)], env=env,
@@ -191,5 +191,6 @@ def test_triton_path_frees_blocks_and_reads_none_it_gave_back(runs, case):
 
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
-    out = run_engines(spec["model_dir"], spec["prompt"], spec["gates_dir"], spec["out_dir"], spec["backend"])
+    out = run_engines(spec["model_dir"], spec["prompt"], spec["gates_dir"], spec["out_dir"], spec["backend"],
+                      spec["kv_cache_memory"])
     Path(spec["result"]).write_text(json.dumps(out))
