@@ -17,14 +17,10 @@ from types import SimpleNamespace
 import pytest
 from helpers import HEAD_PAGES_SERVER_CONFIG, SNAPKV_SERVER_CONFIG, kvevict_samples
 
-from vllm_kvevict.config import (
-    KVEvictionConfigError,
-    RequestEviction,
-    build_config,
-    request_schedule,
-)
+from vllm_kvevict.config import KVEvictionConfigError, build_config
+from vllm_kvevict.request_settings import RequestEviction, request_schedule
 from vllm_kvevict.evaluation.server import scrape
-from vllm_kvevict.schedule import EvictionSchedule, cdiv
+from vllm_kvevict.schedule import NEVER_EVICTS, EvictionSchedule, cdiv
 
 SERVER = {"policy": "snapkv", "budget": 256}
 BS = 32
@@ -121,7 +117,7 @@ def test_request_schedule_is_the_servers_with_the_requests_budget():
         64, server.decode_interval, BS, server.prefill_mode, server.end_of_prompt_max_tokens, 512
     )
     assert request_schedule(server, {"kv_eviction_budget": 96}).budget == 96
-    assert request_schedule(server, {"kv_eviction": "off"}) is None
+    assert request_schedule(server, {"kv_eviction": "off"}) is NEVER_EVICTS
     # What the front end refuses never reaches the engine; if it did, both sides
     # would fall back to the same schedule rather than disagree or stop.
     assert request_schedule(server, {"kv_eviction": "sometimes"}) is server
@@ -198,7 +194,7 @@ def test_manager_frees_and_admits_each_request_on_its_own_schedule(seed):
             step = min(rng.randint(1, 64), prompt_len - n) if n < prompt_len else 1
             manager.track_request(req, extra_args)  # what allocate_slots does first
             schedule = request_schedule(server, extra_args)
-            bound = None if schedule is None else schedule.max_blocks_per_request(64)
+            bound = schedule.max_blocks_per_request(64)
             if n == 0:
                 # Admission of the whole sequence is capped at the request's own bound.
                 whole = cdiv(prompt_len + decode, 16)
@@ -254,7 +250,7 @@ def test_worker_keeps_each_requests_schedule_until_it_is_released():
     state = WorkerEvictionState(2, 2, 2, 32, 160 + BS, 0, torch.float32, torch.device("cpu"), rows=2)
     server = build_config(SERVER).schedule(BS, 512)
     assert state.request_schedule("a", server, {"kv_eviction_budget": 64}).budget == 64
-    assert state.request_schedule("b", server, {"kv_eviction": "off"}) is None
+    assert state.request_schedule("b", server, {"kv_eviction": "off"}) is NEVER_EVICTS
     assert state.request_schedule("c", server, None) is server
     state.release({"a", "b", "c"})
     assert state.schedules == {}

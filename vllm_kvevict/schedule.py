@@ -50,16 +50,17 @@ Protected prefix
 
 Per request
     A request may ask for its own budget (at most the server's) or opt out
-    (``kv_eviction`` in its extra arguments, :class:`~vllm_kvevict.config.RequestEviction`).
-    Its schedule is the server's with that budget, or none (frontier 0, no
-    eviction point), built by :func:`~vllm_kvevict.config.request_schedule` from
-    the request's own arguments on both sides.
+    (``kv_eviction`` in its extra arguments, :class:`~vllm_kvevict.request_settings.RequestEviction`).
+    Its schedule is the server's with that budget, or :data:`NEVER_EVICTS`
+    (frontier 0, no eviction point), built by
+    :func:`~vllm_kvevict.request_settings.request_schedule` from the request's
+    own arguments on both sides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 PrefillMode = Literal["per_chunk", "end_of_prompt", "hybrid"]
 
@@ -70,6 +71,7 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class EvictionSchedule:
+    evicts: ClassVar[bool] = True
     budget: int
     """Minimum tokens retained per KV head after an eviction."""
     decode_interval: int
@@ -203,3 +205,40 @@ class EvictionSchedule:
         if max_head_pages:
             return max_head_pages * self.block_size
         return self.budget + self.block_size
+
+
+@dataclass(frozen=True)
+class NeverEvicts:
+    """The schedule of a request that never evicts (``kv_eviction: "off"``):
+    no eviction point, its frontier and protected prefix at 0, and admitted
+    only with the blocks of its whole sequence. :data:`NEVER_EVICTS` is the
+    one instance."""
+
+    budget: ClassVar[None] = None
+    """No budget: every token is kept."""
+    evicts: ClassVar[bool] = False
+
+    def protected_prefix(self, prompt_len: int) -> int:
+        return 0
+
+    def last_eviction_point(self, n: int, prompt_len: int) -> int:
+        return 0
+
+    def frontier_at_point(self, point: int, prompt_len: int) -> int:
+        return 0
+
+    def frontier(self, n: int, prompt_len: int) -> int:
+        return 0
+
+    def eviction_points_in_step(self, n_before: int, n_after: int, prompt_len: int) -> list[int]:
+        return []
+
+    def max_blocks_per_request(self, max_step_tokens: int) -> None:
+        return None
+
+
+NEVER_EVICTS = NeverEvicts()
+
+Schedule = EvictionSchedule | NeverEvicts
+"""A request's schedule: the server's (perhaps with the request's own budget)
+or :data:`NEVER_EVICTS`."""

@@ -374,7 +374,7 @@ class EvictingBuilder:
             row = self.state.row(req_id)
             schedule = self.state.request_schedule(
                 req_id, self.schedule, batch.extra_args[i] if batch.extra_args else None
-            ) or _NEVER_EVICTS
+            )
             frontier = schedule.frontier(n_before, prompt_len)
             prefix = schedule.protected_prefix(prompt_len)
             frontier_before.append(frontier)
@@ -463,30 +463,6 @@ class EvictingBuilder:
             backend_data=backend_data,
             num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),
         )
-
-
-class _NeverEvicts:
-    """The schedule of a request that opted out (``kv_eviction: "off"``): its
-    frontier stays at 0 and it reaches no eviction point."""
-
-    @staticmethod
-    def frontier(n: int, prompt_len: int) -> int:
-        return 0
-
-    @staticmethod
-    def protected_prefix(prompt_len: int) -> int:
-        return 0
-
-    @staticmethod
-    def eviction_points_in_step(n_before: int, n_after: int, prompt_len: int) -> list[int]:
-        return []
-
-    @staticmethod
-    def last_eviction_point(n: int, prompt_len: int) -> int:
-        return 0
-
-
-_NEVER_EVICTS = _NeverEvicts()
 
 
 def _check_live_blocks(

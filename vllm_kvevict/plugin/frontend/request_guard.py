@@ -7,7 +7,7 @@ validation error (a 400 through the API server), before they reach the engine.
   the workers must agree on for the request's whole life; a prompt that
   changes mid-request would have them free and read different blocks.
 * Per-request eviction settings (``kv_eviction``, ``kv_eviction_budget`` in
-  the request's extra arguments, :class:`~vllm_kvevict.config.RequestEviction`)
+  the request's extra arguments, :class:`~vllm_kvevict.request_settings.RequestEviction`)
   that are malformed or beyond what the server was provisioned for, or given
   to a server without eviction; and a ``kv_eviction: "off"`` request whose
   whole sequence (prompt + max_tokens) would not fit in the KV pool, which an
@@ -21,12 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_kvevict.config import (
-    REQUEST_KEY,
-    KVEvictionConfigError,
-    RequestEviction,
-    config_from_additional,
-)
+from vllm_kvevict.config import KVEvictionConfigError, config_from_additional
+from vllm_kvevict.request_settings import REQUEST_KEY, RequestEviction
 
 RESUMABLE_REFUSAL = (
     "streaming-input requests grow their prompt while they run, which KV-cache eviction "

@@ -25,9 +25,9 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.config import request_schedule
+from vllm_kvevict.request_settings import request_schedule
 from vllm_kvevict.metrics import ENGINE_METRICS, ProcessMetrics
-from vllm_kvevict.schedule import EvictionSchedule, cdiv
+from vllm_kvevict.schedule import EvictionSchedule, Schedule, cdiv
 from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 from vllm_kvevict.plugin.snapshot import STATS_PATH_ENV, SnapshotWriter
 
@@ -83,9 +83,9 @@ class EvictionManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs: Any) -> None:
         self.schedule = kv_cache_spec.schedule
         self.max_step_tokens = kv_cache_spec.max_step_tokens
-        # Each request's schedule (None: never evicted), from its first
+        # Each request's schedule (NEVER_EVICTS when it opted out), from its first
         # allocation until its blocks are freed.
-        self.request_schedules: dict[str, EvictionSchedule | None] = {}
+        self.request_schedules: dict[str, Schedule] = {}
         # vLLM passes an admission cap only to sliding-window-like specs; a
         # request of ours never holds more than this, so admit it on that basis
         # (None in end_of_prompt mode: the whole prompt is held once). A
@@ -115,17 +115,17 @@ class EvictionManager(FullAttentionManager):
         schedule = request_schedule(self.schedule, extra_args)
         self.request_schedules[request_id] = schedule
         trace = self.stats.live.setdefault(request_id, RequestTrace())
-        trace.budget = schedule.budget if schedule is not None else None
+        trace.budget = schedule.budget
 
-    def schedule_of(self, request_id: str) -> EvictionSchedule | None:
-        """The request's schedule (None: never evicted); the server's for a
-        request allocated outside ``KVCacheManager.allocate_slots``."""
+    def schedule_of(self, request_id: str) -> Schedule:
+        """The request's schedule; the server's for a request allocated
+        outside ``KVCacheManager.allocate_slots``."""
         return self.request_schedules.get(request_id, self.schedule)
 
     def admission_blocks(self, request_id: str) -> int | None:
         """Most blocks the request holds at once (None: its whole sequence)."""
         schedule = self.schedule_of(request_id)
-        return None if schedule is None else schedule.max_blocks_per_request(self.max_step_tokens)
+        return schedule.max_blocks_per_request(self.max_step_tokens)
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any, **kwargs: Any) -> int:
         # vLLM reads the cap from this attribute; it is the request's own here.
@@ -159,10 +159,8 @@ class EvictionManager(FullAttentionManager):
         if request_id not in self.req_to_blocks:
             return
         schedule = self.schedule_of(request_id)
-        prefix = frontier = 0
-        if schedule is not None:
-            prefix = schedule.protected_prefix(num_prompt_tokens)
-            frontier = schedule.frontier(processed_computed_tokens, num_prompt_tokens)
+        prefix = schedule.protected_prefix(num_prompt_tokens)
+        frontier = schedule.frontier(processed_computed_tokens, num_prompt_tokens)
         retained = max(processed_computed_tokens - frontier, 0) + min(processed_computed_tokens, prefix)
         self._logical_tokens += processed_computed_tokens - trace.tokens
         self._retained_tokens += retained - trace.retained
@@ -209,7 +207,7 @@ class EvictionManager(FullAttentionManager):
     def _setting_of(self, request_id: str) -> str:
         """The eviction a request runs with, as kvevict_requests_by_setting names it."""
         schedule = self.schedule_of(request_id)
-        if schedule is None:
+        if not schedule.evicts:
             return "off"
         return "server" if schedule.budget == self.schedule.budget else "own_budget"
 
@@ -250,7 +248,7 @@ class EvictionManager(FullAttentionManager):
         for request_id, blocks in self.req_to_blocks.items():
             trace = self.stats.live.get(request_id)
             schedule = self.schedule_of(request_id)
-            if trace is not None and schedule is not None:
+            if trace is not None:
                 prefix_blocks = schedule.protected_prefix(trace.prompt_len) // self.block_size
                 held.update(block.block_id for block in blocks[:prefix_blocks] if not block.is_null)
         return len(held)

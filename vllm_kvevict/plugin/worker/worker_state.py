@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kvevict.config import request_schedule
 from vllm_kvevict.eviction.point import StreamRows
 from vllm_kvevict.metrics import ProcessMetrics
 from vllm_kvevict.moments import Covariance, EvictedMoments
-from vllm_kvevict.schedule import EvictionSchedule
+from vllm_kvevict.request_settings import request_schedule
+from vllm_kvevict.schedule import EvictionSchedule, Schedule
 from vllm_kvevict.plugin.worker.side_buffers import (
     LOG_BETA_DTYPE,
     PAGE_DTYPE,
@@ -122,9 +122,9 @@ class WorkerEvictionState:
         self.last_compaction: dict[str, dict] = {}
         self.recent_requests: list[dict] = []
         self.row_of: dict[str, int] = {}
-        # Each running request's schedule (None: never evicted), from its extra
+        # Each running request's schedule, from its extra
         # arguments; dropped with its row and rebuilt, the same, on resumption.
-        self.schedules: dict[str, EvictionSchedule | None] = {}
+        self.schedules: dict[str, Schedule] = {}
         self.num_rows = rows
         self.free_rows = list(range(rows - 1, -1, -1))
         self.positions = torch.empty(0, dtype=POSITION_DTYPE)
@@ -326,8 +326,8 @@ class WorkerEvictionState:
 
     def request_schedule(
         self, req_id: str, server: EvictionSchedule, extra_args: dict[str, Any] | None
-    ) -> EvictionSchedule | None:
-        """The request's schedule (None: never evicted), as the scheduler's
+    ) -> Schedule:
+        """The request's schedule, as the scheduler's
         manager computes it from the same extra arguments."""
         if req_id not in self.schedules:
             self.schedules[req_id] = request_schedule(server, extra_args)
