@@ -2,8 +2,8 @@
 the eviction engine.
 
 A backend mixes :class:`EvictingImpl` into vLLM's attention Impl for its
-platform and supplies the cache operations and the attention kernels (its
-``_`` hooks). Per layer, with the step's plan
+platform and gives it the cache operations and the attention kernels it runs
+(:class:`Kernels`, chosen once per Impl). Per layer, with the step's plan
 (:class:`~vllm_kvevict.plugin.backends.step_plan.EvictionStepPlan`):
 
 * attention over each request's live tokens;
@@ -41,54 +41,91 @@ from vllm_kvevict.plugin.backends.step_plan import (
 )
 
 
-class EvictingImpl:
-    """Mixed into a backend's attention Impl: a layer's forward with eviction.
+class Kernels:
+    """What one backend's layers run with eviction: the engine's cache
+    operations and the attention kernels, chosen once per Impl (for a
+    server's kernel and storage) and called as the evicting forward's hooks.
 
-    The backend supplies :meth:`_layer_cache` (the engine's cache operations
-    on vLLM's view of one layer's cache), :meth:`_pool_cache` (the same on
-    every layer's blocks as one pool, for global eviction), :meth:`_attend_step`
-    (every token of the step over its request's live tokens),
-    :meth:`_attend_segment` (the tokens after an eviction point) and
-    :meth:`_attend_head_pages` (the head-paged kernel, for global eviction).
+    The base attends every request over its page tables (a ``slots``
+    request: one with no compacted tokens whose standard region starts at
+    its frontier) through :meth:`attend_head_pages`; a subclass gives the
+    caches and that kernel, and may attend otherwise.
     """
 
-    scale: float
-    head_size: int
-    num_heads: int
+    writes_logical_cache = False
+    """Whether new tokens are written into vLLM's logical cache view
+    ``[blocks, H, block_size, K|V]`` by us, instead of by the platform's writer."""
 
-    def init_eviction(self) -> None:
-        remember_worker_config()
+    def __init__(self, impl: Any) -> None:
+        self.impl = impl  # the layer's Impl: its scale, cache dtype and vLLM's forward
 
-    # Backend hooks.
-
-    def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
+    def layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
+        """The engine's cache operations on vLLM's view of one layer's cache."""
         raise NotImplementedError
 
-    def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
-        """Cache operations on ``blocks``, every layer's blocks in the layout
-        of ``_layer_cache(...).kv_cache``."""
+    def pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
+        """The same on every layer's blocks as one pool (global eviction), in
+        the layout of ``layer_cache(...).kv_cache``."""
         raise NotImplementedError
 
-    def _attend_step(
+    def attend_step(
         self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         cache: CacheOps, attn_metadata: Any, output: torch.Tensor,
     ) -> None:
-        raise NotImplementedError
+        """Every token of the step over its request's live tokens."""
+        num_tokens = plan.query_start[-1]
+        query_start, seq_lens, frontier = plan.device_lengths(query.device)
+        region = plan.region_start
+        if plan.storage == "slots":
+            region = frontier
+            if any(plan.protected_prefix):
+                region = torch.tensor(plan.slots_region_start(), dtype=torch.int64, device=query.device)
+        self.attend_head_pages(
+            plan, layer_index, query[:num_tokens], cache, output[:num_tokens],
+            query_start, seq_lens, slice(None), region,
+        )
 
-    def _attend_segment(
+    def attend_segment(
         self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         cache: CacheOps, output: torch.Tensor,
     ) -> None:
-        raise NotImplementedError
+        """The tokens after ``ev.point`` over what it left: with slots the
+        region from the new frontier, with head pages the compacted tokens
+        and the standard region from the point."""
+        tokens = ev.segment_tokens
+        region = ev.slots_segment_region[1] if plan.storage == "slots" else ev.point
+        self.attend_head_pages(
+            plan, layer_index, query[tokens], cache, output[tokens],
+            [0, tokens.stop - tokens.start], [ev.segment_end],
+            slice(ev.batch_index, ev.batch_index + 1),
+            torch.tensor([region], dtype=torch.int64, device=query.device),
+        )
 
-    def _attend_head_pages(
+    def attend_head_pages(
         self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: CacheOps,
         output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
         requests: slice, region_start: torch.Tensor, block_offset: int = 0,
     ) -> None:
+        """The head-paged kernel over the page tables of the batch's
+        ``requests`` (lengths as host lists, or device tensors already
+        copied; ``block_offset``: the layer's blocks in a pool of every layer's)."""
         raise NotImplementedError
+
+
+class EvictingImpl:
+    """Mixed into a backend's attention Impl: a layer's forward with eviction,
+    through the Impl's :class:`Kernels` (``self.kernels``, set by the backend
+    when eviction is on)."""
+
+    scale: float
+    head_size: int
+    num_heads: int
+    kernels: Kernels
+
+    def init_eviction(self) -> None:
+        remember_worker_config()
 
     # The forward.
 
@@ -127,7 +164,8 @@ class EvictingImpl:
     ) -> torch.Tensor:
         layer_index = plan.layer_index[layer.layer_name]
         state, num_tokens = plan.state, plan.query_start[-1]
-        cache = self._layer_cache(layer, kv_cache, plan)
+        kernels = self.kernels
+        cache = kernels.layer_cache(layer, kv_cache, plan)
         plan.observer.layer_started(layer_index, kv_cache, cache)
         if plan.storage == "global":
             self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
@@ -135,7 +173,7 @@ class EvictingImpl:
                 for i, ev in plan.last_compactions.items():
                     plan.pooled_queries[layer_index, i] = self._observation(plan, layer_index, ev, query)
         else:
-            self._attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
+            kernels.attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         # The eviction engine's calls alone are timed: the attention of the
         # tokens after a point is the step's own work, evicting or not.
         for ev in plan.evictions:
@@ -159,7 +197,7 @@ class EvictingImpl:
                 continue  # global: the step's end ranks every layer; nothing moves here
             plan.eviction_seconds += time.perf_counter() - started
             if ev.segment_end > ev.point:
-                self._attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
+                kernels.attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
         if plan.storage == "global" and layer_index == state.num_layers - 1:
             started = time.perf_counter()
             self._compact_global(plan)
@@ -239,8 +277,8 @@ class EvictingImpl:
             if layer_index == state.num_layers - 1:
                 capture.pending.clear()  # what vLLM's dummy runs left behind
         query_start, seq_lens, _ = plan.device_lengths(query.device)
-        self._attend_head_pages(
-            plan, layer_index, query[:num_tokens], self._pool_cache(whole, plan),
+        self.kernels.attend_head_pages(
+            plan, layer_index, query[:num_tokens], self.kernels.pool_cache(whole, plan),
             output[:num_tokens], query_start, seq_lens, slice(None), plan.region_start, offset,
         )
 
@@ -248,7 +286,7 @@ class EvictingImpl:
         """Each request's last compacting point of the step, over every layer."""
         state = plan.state
         assert state.global_cache is not None
-        cache = self._pool_cache(state.global_cache, plan)
+        cache = self.kernels.pool_cache(state.global_cache, plan)
         for i, ev in plan.last_compactions.items():
             per_layer = compact_global(
                 cache, plan.rule, ev,
@@ -260,5 +298,4 @@ class EvictingImpl:
             )
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
-
 

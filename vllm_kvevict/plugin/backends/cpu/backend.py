@@ -6,7 +6,8 @@ falls through to vLLM's own CPU backend.
 
 With eviction on, the builder plans each step and the Impl runs the eviction
 engine layer by layer (:mod:`~vllm_kvevict.plugin.backends.evicting_impl`), with
-the kernels ``attention_kernel`` names:
+the kernels ``attention_kernel`` names (one object per kernel and storage,
+chosen when the Impl is made: :mod:`~vllm_kvevict.plugin.backends.cpu.kernels`):
 
 * ``native``: with ``slots`` storage vLLM's C++ kernel through a block table
   and sequence lengths shifted by the (block-aligned) frontier; with
@@ -43,12 +44,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict import cpu_ops
-from vllm_kvevict.eviction.cache_ops import CacheOps
-from vllm_kvevict.eviction.point import EvictionPoint
 from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.plugin.compat import check_cpu_backend_contract
-from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache, head_paged_cache
+from vllm_kvevict.plugin.backends.cpu.kernels import cpu_kernels
 from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
+from vllm_kvevict.plugin.backends.evicting_impl import EvictingImpl
 from vllm_kvevict.plugin.backends.step_plan import (
     EvictingBuilder,
     EvictionStepPlan,
@@ -56,7 +56,6 @@ from vllm_kvevict.plugin.backends.step_plan import (
     evicting_spec,
 )
 from vllm_kvevict.plugin.backends.triton.cache import write_new_tokens
-from vllm_kvevict.plugin.backends.triton.impl import TritonEvictingImpl
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_cpu_backend_contract()
@@ -230,24 +229,19 @@ def live_block_table(
     return table.gather(1, columns.clamp_(max=width - 1).to(table.device))
 
 
-def head_paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """vLLM's CPU cache ``[num_blocks, H, block_size, 2 * D]`` as head-pages:
-    ``[num_blocks, H, 2 * block_size, D]``, each a K block then a V block."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
-
-
-class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
-    """vLLM's CPU Impl with eviction; the Triton hooks it inherits run with
-    ``attention_kernel: triton``, the CPU kernels' otherwise."""
+class KVEvictCPUImpl(EvictingImpl, CPUAttentionBackendImpl):
+    """vLLM's CPU Impl with eviction, running the kernels the server's
+    ``attention_kernel`` and storage name
+    (:func:`~vllm_kvevict.plugin.backends.cpu.kernels.cpu_kernels`), chosen once."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.init_eviction()
         config = active_config()
-        # Which writer fills the cache: ours with the Triton kernels (they
-        # read vLLM's logical view), vLLM's ISA page order otherwise.
-        self.writes_logical_cache = config is not None and config.kernel_for("cpu") == "triton"
+        self.writes_logical_cache = False
+        if config is not None:
+            self.kernels = cpu_kernels(self, config.kernel_for("cpu"), config.storage_name)
+            self.writes_logical_cache = self.kernels.writes_logical_cache
 
     def do_kv_cache_update(
         self,
@@ -261,135 +255,3 @@ class KVEvictCPUImpl(TritonEvictingImpl, CPUAttentionBackendImpl):
             write_new_tokens(kv_cache, key, value, slot_mapping)
         else:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-
-    # The CPU kernels; ``attention_kernel: triton`` takes the inherited hooks.
-
-    def _layer_cache(self, layer: AttentionLayer, kv_cache: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
-        if plan.kernel == "triton":
-            return super()._layer_cache(layer, kv_cache, plan)
-        return head_paged_cache(
-            head_paged_view(kv_cache), plan.backend_data,
-            layer.isa,  # type: ignore[attr-defined]
-            layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype,
-            # head_pages loaded the extension at start-up; slots storage
-            # neither gathers nor writes head-pages, and must not build it here.
-            native=plan.kernel == "native" and plan.storage == "head_pages",
-        )
-
-    def _pool_cache(self, blocks: torch.Tensor, plan: EvictionStepPlan) -> CacheOps:
-        if plan.kernel == "triton":
-            return super()._pool_cache(blocks, plan)
-        return HeadPagedCache(blocks, plan.backend_data)
-
-    def _attend_step(
-        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        cache: Any, attn_metadata: Any, output: torch.Tensor,
-    ) -> None:
-        if plan.kernel == "native" and plan.storage == "head_pages":
-            return self._attend_head_pages_step(
-                plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output
-            )
-        if plan.kernel == "triton" or plan.storage != "slots":
-            return super()._attend_step(
-                plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output
-            )
-        if plan.kernel == "native":
-            CPUAttentionBackendImpl.forward(
-                self, layer, query, key, value, kv_cache, attn_metadata, output
-            )
-        else:
-            starts = plan.slots_region_start()
-            for i, seq_len in enumerate(plan.seq_lens):
-                tokens = slice(plan.query_start[i], plan.query_start[i + 1])
-                prefix = plan.protected_prefix[i] if starts[i] >= plan.protected_prefix[i] else 0
-                self._region_attention(plan, cache, i, tokens, prefix, starts[i], seq_len, query, output)
-
-    def _attend_head_pages_step(
-        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int,
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        cache: Any, attn_metadata: Any, output: torch.Tensor,
-    ) -> None:
-        """head_pages, native: each run of the batch through vLLM's kernel
-        (not compacted yet) or ours over the page tables."""
-        starts = plan.query_start
-        for first, end, metadata in attn_metadata.attention_runs:
-            tokens = slice(starts[first], starts[end])
-            if metadata is not None:
-                CPUAttentionBackendImpl.forward(
-                    self, layer, query[tokens], key[tokens], value[tokens], kv_cache, metadata, output[tokens]
-                )
-            else:
-                self._attend_head_pages(
-                    plan, layer_index, query[tokens], cache, output[tokens],
-                    [q - starts[first] for q in starts[first : end + 1]], plan.seq_lens[first:end],
-                    slice(first, end), plan.region_start[first:end],
-                )
-
-    def _attend_segment(
-        self, plan: EvictionStepPlan, layer: AttentionLayer, layer_index: int, ev: EvictionPoint,
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        cache: Any, output: torch.Tensor,
-    ) -> None:
-        """Attention of the tokens after ``ev.point`` over the region it left."""
-        if plan.kernel == "triton" or plan.storage != "slots":
-            return super()._attend_segment(
-                plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output
-            )
-        tokens = ev.segment_tokens
-        if plan.kernel == "native":
-            CPUAttentionBackendImpl.forward(
-                self, layer, query[tokens], key[tokens], value[tokens], kv_cache,
-                ev.backend_data, output[tokens],
-            )
-        else:
-            prefix, start = ev.slots_segment_region
-            self._region_attention(
-                plan, cache, ev.batch_index, tokens, prefix, start, ev.segment_end, query, output
-            )
-
-    def _region_attention(
-        self,
-        plan: EvictionStepPlan,
-        cache: HeadPagedCache,
-        batch_index: int,
-        tokens: slice,
-        prefix: int,
-        region_start: int,
-        region_end: int,
-        query: torch.Tensor,
-        output: torch.Tensor,
-    ) -> None:
-        """Torch attention: ``tokens`` (the last of the region) over slots
-        ``[0, prefix)`` and ``[start, end)``. Every query lies after the
-        prefix, so the prefix's keys may stand just before the region's: the
-        causal mask sees the one sequence ``[start - prefix, end)``."""
-        block_row = plan.block_table[batch_index]
-        keys, values = cache.read_slots(block_row, region_start, region_end)
-        if prefix:
-            prefix_keys, prefix_values = cache.read_slots(block_row, 0, prefix)
-            keys, values = torch.cat([prefix_keys, keys], dim=1), torch.cat([prefix_values, values], dim=1)
-        output[tokens] = cpu_ops.region_attention(
-            query[tokens], keys, values, region_start - prefix, self.scale
-        ).to(output.dtype)
-
-    def _attend_head_pages(
-        self, plan: EvictionStepPlan, layer_index: int, query: torch.Tensor, cache: Any,
-        output: torch.Tensor, query_start: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
-        requests: slice, region_start: torch.Tensor, block_offset: int = 0,
-    ) -> None:
-        """Our C++ kernel (or its torch twin) over the page tables of the batch's ``requests``."""
-        if plan.kernel == "triton":
-            return super()._attend_head_pages(
-                plan, layer_index, query, cache, output, query_start, seq_lens, requests,
-                region_start, block_offset,
-            )
-        batch = plan.head_paged_batch(
-            layer_index, requests, query_start, seq_lens, region_start, block_offset, query.device
-        )
-        layout = plan.backend_data
-        out, _ = cpu_ops.head_paged_attention(
-            query, cache.kv_cache, layout.key_index, layout.value_index,
-            batch, self.scale, native=plan.kernel == "native",
-        )
-        output.copy_(out.view(output.shape).to(output.dtype))

@@ -46,10 +46,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.backend_name import GPU_BACKEND_NAME
 from vllm_kvevict.plugin.compat import check_gpu_backend_contract
+from vllm_kvevict.plugin.backends.evicting_impl import EvictingImpl
 from vllm_kvevict.plugin.backends.step_plan import EvictingBuilder, EvictionStepPlan, evicting_spec
 from vllm_kvevict.plugin.kv_spec import EvictingAttentionSpec
 from vllm_kvevict.plugin.backends.triton.cache import write_new_tokens
-from vllm_kvevict.plugin.backends.triton.impl import TritonEvictingImpl
+from vllm_kvevict.plugin.backends.triton.impl import TritonKernels
 
 # Everything below subclasses or calls these; fail at import, not mid-request.
 check_gpu_backend_contract()
@@ -121,10 +122,11 @@ class KVEvictTritonMetadataBuilder(EvictingBuilder, TritonAttentionMetadataBuild
         return KVEvictTritonMetadata(**values, eviction=self.plan_step(cm, batch))
 
 
-class KVEvictTritonImpl(TritonEvictingImpl, TritonAttentionImpl):
+class KVEvictTritonImpl(EvictingImpl, TritonAttentionImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.init_eviction()
+        self.kernels = TritonKernels(self)
 
     def do_kv_cache_update(
         self,
