@@ -267,7 +267,7 @@ class EvictionConfig(BaseModel):
         return self.storage == "head_pages"
 
     @property
-    def storage_name(self) -> str:
+    def storage_name(self) -> Literal["slots", "head_pages", "global"]:
         """How a request's retained tokens are stored: ``slots`` (vLLM's pages,
         compacted), ``head_pages`` (a page table per layer and KV head) or
         ``global`` (head pages ranked across every layer)."""

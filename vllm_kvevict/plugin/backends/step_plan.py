@@ -251,9 +251,7 @@ class EvictingBuilder:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.head_paged = config.uses_head_pages
         self.global_eviction = config.pools_layers
-        self.storage: Storage = (
-            "global" if self.global_eviction else "head_pages" if self.head_paged else "slots"
-        )
+        self.storage: Storage = config.storage_name
         # The side buffers were allocated for --max-num-seqs rows when the
         # worker reported its KV-cache specs, before vLLM sized the KV pool;
         # adopt them (allocated here only where that did not happen).

@@ -48,7 +48,7 @@ from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.plugin.compat import check_cpu_backend_contract
 from vllm_kvevict.plugin.backends.cpu.kernels import cpu_kernels
 from vllm_kvevict.plugin.backends.cpu.page_layout import PageLayout, probe_page_layout
-from vllm_kvevict.plugin.backends.evicting_impl import EvictingImpl
+from vllm_kvevict.plugin.backends.evicting_impl import EvictingImpl, Kernels
 from vllm_kvevict.plugin.backends.step_plan import (
     EvictingBuilder,
     EvictionStepPlan,
@@ -238,10 +238,10 @@ class KVEvictCPUImpl(EvictingImpl, CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.init_eviction()
         config = active_config()
-        self.writes_logical_cache = False
-        if config is not None:
-            self.kernels = cpu_kernels(self, config.kernel_for("cpu"), config.storage_name)
-            self.writes_logical_cache = self.kernels.writes_logical_cache
+        # None with eviction off: vLLM's forward and cache writer serve.
+        self.kernels: Kernels | None = (  # type: ignore[assignment]
+            cpu_kernels(self, config.kernel_for("cpu"), config.storage_name) if config is not None else None
+        )
 
     def do_kv_cache_update(
         self,
@@ -251,7 +251,7 @@ class KVEvictCPUImpl(EvictingImpl, CPUAttentionBackendImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if self.writes_logical_cache:
+        if self.kernels is not None and self.kernels.writes_logical_cache:
             write_new_tokens(kv_cache, key, value, slot_mapping)
         else:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
