@@ -19,7 +19,7 @@ go one at a time, each alone on the GPU: ``--requests`` prompts of
 (``ignore_eos``). ``--wait-for FILE`` holds the timed runs until FILE exists
 (another job sharing the GPU has finished).
 
-The model: ``vllm_kvevict.evaluation.tiny_model.build_tiny_llama`` with
+The model: ``build_tiny_llama`` of ``tests/tiny_model.py`` with
 Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query heads, 8 KV heads of
 64, MLP 8192) and the default model's tokenizer (vocabulary 49,152 instead of
 128,256), seeded random weights. Output tokens are meaningless; the work per
@@ -37,6 +37,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The model is built by the tests' builder (tests/tiny_model.py).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 
 LLAMA_1B_SHAPE = {
     "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from vllm_kvevict.evaluation.tiny_model import build_tiny_llama
+        from tiny_model import build_tiny_llama
 
         t0 = time.monotonic()
         tokenizer = Path(args.tokenizer_dir) if args.tokenizer_dir else None

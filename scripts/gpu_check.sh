@@ -333,7 +333,8 @@ stage2_serve() {
     local common=(--expect benchmarks/gpu_reference_tokens.json --model "$model" --timeout "$JOB_TIMEOUT"
                   --gpu-memory-utilization 0.02)
     rm -f "$done" "$WORK"/serve-check-*.json "$WORK"/job-*.txt "$WORK"/serve-*/serve-check.json
-    if ! "$PY" -c 'import sys; from vllm_kvevict.evaluation.tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[1], 0, tokenizer_dir=sys.argv[2])' \
+    # The tiny model's builder is the tests' (tests/tiny_model.py).
+    if ! "$PY" -c 'import sys; sys.path.append("tests"); from tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[1], 0, tokenizer_dir=sys.argv[2])' \
             "$model" "$tokenizer" >> "$RESULTS/stage2.txt" 2>&1; then
         step 2 "tiny model" failed "$(tail -1 "$RESULTS/stage2.txt")"
         return

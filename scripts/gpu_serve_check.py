@@ -59,7 +59,7 @@ Modes::
     python scripts/gpu_serve_check.py --expect benchmarks/gpu_reference_tokens.json \\
         --tokenizer-dir PAYLOAD/tokenizer
 
-The tiny model (``vllm_kvevict.evaluation.tiny_model``) is built from a seeded
+The tiny model (``tests/tiny_model.py``) is built from a seeded
 generator and the default model's tokenizer files: ``--tokenizer-dir`` names
 a folder holding them (default: the default model's folder, which
 ``kvevict fetch-model`` converts); ``--model DIR`` serves a model folder as
@@ -90,6 +90,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# The tiny model and its gates are built by the tests' builder (tests/tiny_model.py).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 
 FORMAT = 2
 FINGERPRINT_VALUES = 32
@@ -239,13 +242,13 @@ def tokenizer_dir(args: argparse.Namespace) -> Path:
 def model_folder(args: argparse.Namespace, work: Path) -> Path:
     if args.model:
         return Path(args.model)
-    from vllm_kvevict.evaluation.tiny_model import build_tiny_llama
+    from tiny_model import build_tiny_llama
 
     return build_tiny_llama(work / "tiny-model", TINY_SEED, tokenizer_dir=tokenizer_dir(args))
 
 
 def build_gates(model: Path, out: Path, seed: int = GATES_SEED) -> Path:
-    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates
+    from tiny_model import build_tiny_gates
 
     return build_tiny_gates(model, out, seed)
 
@@ -356,8 +359,9 @@ def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, ext
     ``run_engine``'s fields and ``http_failures``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import requests
+    import openai
 
+    from vllm_kvevict.evaluation.client import openai_client
     from vllm_kvevict.evaluation.server import VllmServer
 
     setting = request["kv_eviction"]
@@ -380,28 +384,36 @@ def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, ext
     try:
         server.wait_ready(timeout)
         started = time.monotonic()
+        api = openai_client(server.url, timeout=timeout)
 
         def complete(prompt: list[int], extra: dict | None = None, max_tokens: int = MAX_TOKENS):
-            body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "logprobs": 2, "return_token_ids": True, **(extra or {})}
-            return requests.post(server.url + "/v1/completions", json=body, timeout=timeout)
+            return api.completions.create(
+                model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True, "return_token_ids": True, **(extra or {})},
+            )
+
+        def answer(prompt: list[int]):  # the completion, or the HTTP error that refused it
+            try:
+                return complete(prompt)
+            except openai.APIStatusError as exc:
+                return exc
 
         with ThreadPoolExecutor(len(request["prompts"])) as pool:
-            replies = list(pool.map(complete, request["prompts"]))
+            replies = list(pool.map(answer, request["prompts"]))
         generated = time.monotonic()
         tokens, logprobs, gaps, failures = [], [], [], []
         for i, reply in enumerate(replies):
-            if reply.status_code != 200:
-                return {"error": f"request {i}: HTTP {reply.status_code}: {reply.text[:300]}"}
-            choice = reply.json()["choices"][0]
-            tokens.append(list(choice["token_ids"]))
-            logprobs.append(list(choice["logprobs"]["token_logprobs"]))
-            ranked = [sorted(top.values(), reverse=True) for top in choice["logprobs"]["top_logprobs"]]
+            if isinstance(reply, openai.APIStatusError):
+                return {"error": f"request {i}: HTTP {reply.status_code}: {reply.response.text[:300]}"}
+            choice = reply.choices[0]
+            tokens.append(list(choice.token_ids))
+            logprobs.append(list(choice.logprobs.token_logprobs))
+            ranked = [sorted(top.values(), reverse=True) for top in choice.logprobs.top_logprobs]
             gaps.append([r[0] - r[1] if len(r) > 1 else float("inf") for r in ranked])
         # The counters of these requests alone (check (c), free points): before the extras add theirs.
         stats, workers = server.wait_idle(timeout=60)
         if extras:
-            failures = http_extras(server, request, complete)
+            failures = http_extras(server, request, api, complete)
             server.wait_idle(timeout=60)  # every block back after them too (TimeoutError otherwise)
         return {"tokens": tokens, "logprobs": logprobs, "top2_gaps": gaps, "stats": stats,
                 "worker_stats": workers[0], "startup_s": started - start, "generate_s": generated - started,
@@ -412,37 +424,44 @@ def run_http(name: str, request: dict[str, Any], work: Path, timeout: float, ext
         server.stop()
 
 
-def http_extras(server: Any, request: dict[str, Any], complete: Any) -> list[str]:
+def http_extras(server: Any, request: dict[str, Any], api: Any, complete: Any) -> list[str]:
     """Check (e) beyond the completions: chat, a request's own budget, one
     refused, /metrics. The failures, one line each."""
+    import openai
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
     failures = []
     budget = request["kv_eviction"]["budget"]
     text = " ".join(f"Ledger {i} is filed under code {i * 7919 % 10007}." for i in range(160))
-    reply = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
-        "model": "smollm2", "messages": [{"role": "user", "content": text + " Which code files ledger 42?"}],
-        "max_tokens": 24, "temperature": 0})
-    if reply.status_code != 200:
-        failures.append(f"(e) chat: HTTP {reply.status_code}: {reply.text[:200]}")
+    try:
+        reply = api.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": text + " Which code files ledger 42?"}],
+            max_tokens=24, temperature=0, timeout=600,
+        )
+    except openai.APIStatusError as exc:
+        failures.append(f"(e) chat: HTTP {exc.status_code}: {exc.response.text[:200]}")
     else:
-        body = reply.json()
-        if not isinstance(body["choices"][0]["message"]["content"], str) or body["usage"]["prompt_tokens"] <= budget:
-            failures.append(f"(e) chat: unexpected reply {str(body)[:200]}")
+        if not isinstance(reply.choices[0].message.content, str) or reply.usage.prompt_tokens <= budget:
+            failures.append(f"(e) chat: unexpected reply {reply.to_json(indent=None)[:200]}")
     prompt = request["prompts"][2]
-    reply = complete(prompt, {"vllm_xargs": {"kv_eviction_budget": REQUEST_BUDGET}}, max_tokens=40)
-    if reply.status_code != 200:
-        failures.append(f"(e) own budget {REQUEST_BUDGET}: HTTP {reply.status_code}: {reply.text[:200]}")
+    try:
+        complete(prompt, {"vllm_xargs": {"kv_eviction_budget": REQUEST_BUDGET}}, max_tokens=40)
+    except openai.APIStatusError as exc:
+        failures.append(f"(e) own budget {REQUEST_BUDGET}: HTTP {exc.status_code}: {exc.response.text[:200]}")
     else:
         traces = [t for t in server.stats().get("recent_requests", [])
                   if t["prompt_len"] == len(prompt) and t["budget"] == REQUEST_BUDGET]
         if not traces or not traces[-1]["free_points"]:
             failures.append(f"(e) no trace of a {len(prompt)}-token request with budget {REQUEST_BUDGET} that freed "
                             "blocks")
-    reply = complete(prompt, {"vllm_xargs": {"kv_eviction_budget": 100 * budget}}, max_tokens=4)
-    if reply.status_code != 400 or "budget" not in reply.text:
-        failures.append(f"(e) a budget over the server's: HTTP {reply.status_code} ({reply.text[:200]}), expected 400 "
+    try:
+        reply = complete(prompt, {"vllm_xargs": {"kv_eviction_budget": 100 * budget}}, max_tokens=4)
+        status, body = 200, reply.to_json(indent=None)
+    except openai.APIStatusError as exc:
+        status, body = exc.status_code, exc.response.text
+    if status != 400 or "budget" not in body:
+        failures.append(f"(e) a budget over the server's: HTTP {status} ({body[:200]}), expected 400 "
                         "naming the budget")
     samples = {}
     for family in text_string_to_metric_families(requests.get(server.url + "/metrics", timeout=30).text):
@@ -697,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "format": FORMAT,
         "recorded_with" if args.record else "run_with": {**versions(), "enforce_eager": args.enforce_eager},
-        "model": {"builder": "vllm_kvevict.evaluation.tiny_model.build_tiny_llama", "seed": TINY_SEED,
+        "model": {"builder": "tests/tiny_model.py:build_tiny_llama", "seed": TINY_SEED,
                   "config": {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                     "num_key_value_heads", "head_dim", "vocab_size")},
                   "weights_sha256": weights, "weights_fingerprint": weights_fingerprint},

@@ -110,7 +110,7 @@ def tiny_model_dir() -> str:
     its compute, for tests whose claims do not depend on what the model
     knows (preemption, aborts, isolation: outputs equal to the same request
     run alone)."""
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     return str(fetch_tiny_model())
 

@@ -24,7 +24,7 @@ def vllm_config():
     from vllm.engine.arg_utils import EngineArgs
 
     import vllm_kvevict
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     vllm_kvevict.register()
     return EngineArgs(

@@ -36,7 +36,7 @@ print("STARTED")
 
 @pytest.fixture(scope="module")
 def partial_rotary_model(tmp_path_factory) -> str:
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     tiny = fetch_tiny_model()
     path = tmp_path_factory.mktemp("partial_rotary")

@@ -80,7 +80,6 @@ NOT_IMPORTED = {
 # feature. Files matching none must import core dependencies only.
 FEATURE_EXTRAS = (
     ("vllm_kvevict/default_model.py", ("model",)),
-    ("vllm_kvevict/evaluation/tiny_model.py", ("model", "test")),
     ("vllm_kvevict/evaluation/retrieval.py", ("test",)),  # benchmarks/ and tests
     ("vllm_kvevict/evaluation/", ("eval",)),
     ("vllm_kvevict/reference/", ("eval", "test")),  # kvevict eval --reference
@@ -462,7 +461,7 @@ def test_fresh_install_from_the_wheel_serves(wheel: Path, tmp_path: Path, reques
 
     from helpers import engine_cores
     from vllm_kvevict.evaluation.server import free_port
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     model = fetch_tiny_model()
     timings: dict[str, float] = {}

@@ -155,7 +155,7 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def tiny_gates(tiny_model_dir, tmp_path_factory) -> str:
-    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates
+    from tiny_model import build_tiny_gates
 
     return str(build_tiny_gates(Path(tiny_model_dir), tmp_path_factory.mktemp("preemption_gates") / "gates"))
 

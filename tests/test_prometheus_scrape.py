@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from helpers import needle_prompt
-from vllm_kvevict.evaluation.prometheus import PrometheusServer, prometheus_binary
+from prometheus_server import PrometheusServer, prometheus_binary
 
 pytestmark = pytest.mark.e2e
 

@@ -57,7 +57,7 @@ def gemma_model(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str
 @pytest.fixture(scope="module")
 def tiny_gates(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Retention gates for the tiny test model, not for the default one."""
-    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
+    from tiny_model import build_tiny_gates, fetch_tiny_model
 
     return str(build_tiny_gates(fetch_tiny_model(), tmp_path_factory.mktemp("tiny") / "gates"))
 

@@ -53,7 +53,7 @@ asyncio.run(main())
 
 
 def test_streaming_input_is_refused_and_the_engine_serves_on():
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(fetch_tiny_model())], capture_output=True, text=True,

@@ -151,7 +151,7 @@ def tp_runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from vllm_kvevict.evaluation.tasks import needle_prompt
-    from vllm_kvevict.evaluation.tiny_model import fetch_tiny_model
+    from tiny_model import fetch_tiny_model
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallelism 2 on CPU needs two cores")

@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
     from helpers import bind_to_engine_core, model_block_bytes
     from vllm_kvevict.evaluation.serving_bench import kv_cache_memory_bytes
     from vllm_kvevict.evaluation.tasks import needle_prompt
-    from vllm_kvevict.evaluation.tiny_model import build_tiny_gates, fetch_tiny_model
+    from tiny_model import build_tiny_gates, fetch_tiny_model
 
     tiny = str(fetch_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(tiny)

@@ -165,7 +165,7 @@ def test_a_vllm_that_polls_otherwise_is_named():
 BUILD_TINY = """
 import sys, time
 from pathlib import Path
-from vllm_kvevict.evaluation.tiny_model import build_tiny_llama
+from tiny_model import build_tiny_llama
 out, ready, go = map(Path, sys.argv[1:])
 ready.touch()
 while not go.exists():
@@ -179,7 +179,9 @@ def test_two_processes_asking_for_the_tiny_model_together_both_get_it(tmp_path):
     model (without the lock both wrote, renamed and removed the same staging
     folder)."""
     out, go = tmp_path / "tiny", tmp_path / "go"
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+    tests = str(Path(__file__).parent)  # where tiny_model.py is
+    env = dict(os.environ, PYTHONSAFEPATH="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     ready = [tmp_path / f"ready{i}" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", BUILD_TINY, str(out), str(flag), str(go)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for flag in ready]

@@ -30,8 +30,9 @@ import textwrap
 import time
 from pathlib import Path
 
-
-from vllm_kvevict.evaluation.prometheus import PrometheusServer, prometheus_binary
+# The Prometheus launcher is the tests' (tests/prometheus_server.py).
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tests"))
+from prometheus_server import PrometheusServer, prometheus_binary  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().with_name("vllm-kvevict-dashboard.json")
 GRID_COLUMNS = 24

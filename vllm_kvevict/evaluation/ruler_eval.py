@@ -44,8 +44,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+import openai
 import requests
 
+from vllm_kvevict.evaluation.client import openai_client
 from vllm_kvevict.evaluation.quality import KL_POSITIONS, Completion, compare_to_full, parse_completion
 from vllm_kvevict.evaluation.records import RecordLog, SampleRecord, prompt_sha
 from vllm_kvevict.evaluation.ruler import DEFAULT_TASKS, RulerSample
@@ -92,7 +94,7 @@ def signature(setting: ServingSetting, eviction: dict[str, Any] | None, server_a
 # ---------------------------------------------------------------- requests
 
 
-def complete(url: str, model: str, sample: RulerSample, max_new_tokens: int, logprobs: int,
+def complete(api: openai.OpenAI, model: str, sample: RulerSample, max_new_tokens: int, logprobs: int,
              vocab_size: int) -> Completion:
     """One greedy completion with the first positions' log-distributions.
 
@@ -102,14 +104,15 @@ def complete(url: str, model: str, sample: RulerSample, max_new_tokens: int, log
     ~150 MB response (greedy decoding makes both requests' first tokens equal).
     """
     def post(max_tokens: int, k: int) -> dict[str, Any]:
-        reply = requests.post(url + "/v1/completions", timeout=3600, json={
-            "model": model, "prompt": sample.prompt, "temperature": 0, "max_tokens": max_tokens,
-            "logprobs": k, "return_tokens_as_token_ids": True,
-        })
-        if reply.status_code != 200:
-            raise RuntimeError(f"{url} answered {reply.status_code} for {sample.task}/{sample.index}: "
-                               f"{reply.text[:500]}")
-        return reply.json()["choices"][0]
+        try:
+            reply = api.completions.create(
+                model=model, prompt=sample.prompt, temperature=0, max_tokens=max_tokens, logprobs=k,
+                extra_body={"return_tokens_as_token_ids": True},
+            )
+        except openai.APIStatusError as exc:
+            raise RuntimeError(f"{api.base_url} answered {exc.status_code} for {sample.task}/{sample.index}: "
+                               f"{exc.response.text[:500]}") from None
+        return reply.choices[0].to_dict()
 
     start = time.perf_counter()
     max_tokens = min(sample.tokens_to_generate, max_new_tokens)
@@ -208,12 +211,13 @@ class EvalRunner:
         from tqdm import tqdm
 
         model, _ = served_model(url)
+        api = openai_client(url, timeout=3600)
         logprobs = self.logprobs if setting.managed or self.logprobs > 0 else 20
         bar = tqdm(total=len(samples), desc=f"{setting.name} @ {length}", unit="sample",
                    disable=not self.progress, dynamic_ncols=True)
 
         def one(sample: RulerSample) -> SampleRecord:
-            completion = complete(url, model, sample, self.max_new_tokens, logprobs, self.vocab_size)
+            completion = complete(api, model, sample, self.max_new_tokens, logprobs, self.vocab_size)
             positions, kl_sum = self._compare(setting, length, sample, completion)
             kept = None
             if measure_kept:
@@ -236,6 +240,7 @@ class EvalRunner:
                 list(pool.map(one, samples))
         finally:
             bar.close()
+            api.close()
 
     def _compare(self, setting: ServingSetting, length: int, sample: RulerSample,
                  completion: Completion) -> tuple[int, float]:

@@ -27,10 +27,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import psutil
-import requests
 
 from vllm_kvevict.default_model import DEFAULT_MODEL_BLOCK_BYTES
+from vllm_kvevict.evaluation.client import openai_client
 from vllm_kvevict.evaluation.server import VllmServer
 from vllm_kvevict.evaluation.tasks import needle_prompt
 
@@ -150,6 +151,7 @@ def process_tree_rss_mib(pid: int) -> dict[str, float]:
 class SoakClient:
     def __init__(self, server: VllmServer, tokenizer, report: SoakReport, seed: int) -> None:
         self.server = server
+        self.api = openai_client(server.url, timeout=900)
         self.tokenizer = tokenizer
         self.report = report
         self.rng = random.Random(seed)
@@ -170,28 +172,19 @@ class SoakClient:
         long = kind == "long" or (kind in ("stream", "abort") and self.rng.random() < 0.5)
         prompt, _ = self._prompt(self.rng.randint(1500, 3000) if long else self.rng.randint(80, 600))
         max_tokens = self.rng.randint(1, 96)
-        url = self.server.url
         try:
             if kind == "chat":
-                response = requests.post(
-                    url + "/v1/chat/completions",
-                    json={"model": "smollm2", "max_tokens": max_tokens, "temperature": 0,
-                          "messages": [{"role": "user", "content": prompt}]},
-                    timeout=900,
+                response = self.api.chat.completions.create(
+                    model="smollm2", max_tokens=max_tokens, temperature=0,
+                    messages=[{"role": "user", "content": prompt}],
                 )
-                if response.status_code != 200:
-                    return self._fail(kind, f"HTTP {response.status_code} {response.text}")
-                usage = response.json()["usage"]["completion_tokens"]
+                usage = response.usage.completion_tokens
             elif kind in ("short", "long"):
-                response = requests.post(
-                    url + "/v1/completions",
-                    json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
-                          "temperature": 0, "ignore_eos": True},
-                    timeout=900,
+                response = self.api.completions.create(
+                    model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    extra_body={"ignore_eos": True},
                 )
-                if response.status_code != 200:
-                    return self._fail(kind, f"HTTP {response.status_code} {response.text}")
-                usage = response.json()["usage"]["completion_tokens"]
+                usage = response.usage.completion_tokens
                 if usage != max_tokens:
                     return self._fail(kind, f"{usage} tokens, asked {max_tokens}")
             else:
@@ -200,35 +193,26 @@ class SoakClient:
                     return
             with self.lock:
                 self.report.completion_tokens += usage
-        except requests.RequestException as exc:
+        except openai.APIStatusError as exc:
+            self._fail(kind, f"HTTP {exc.status_code} {exc.response.text}")
+        except openai.APIError as exc:  # no answer (connection, timeout), or an error event in a stream
             self._fail(kind, repr(exc))
 
     def _stream(self, kind: str, prompt: str, max_tokens: int) -> int | None:
         drop_after = self.rng.randint(0, max_tokens) if kind == "abort" else None
-        with requests.post(
-            self.server.url + "/v1/completions",
-            json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
-                  "temperature": 0, "ignore_eos": True, "stream": True},
-            stream=True, timeout=900,
-        ) as response:
-            if response.status_code != 200:
-                self._fail(kind, f"HTTP {response.status_code} {response.text}")
-                return None
-            events, done = 0, False
-            for line in response.iter_lines():
-                if line == b"data: [DONE]":
-                    done = True
-                    break
-                if line.startswith(b"data: {"):
-                    if b'"error"' in line[:40]:
-                        self._fail(kind, line.decode()[:200])
-                        return None
-                    events += 1
-                    if drop_after is not None and events >= drop_after:
-                        with self.lock:
-                            self.report.aborted += 1
-                        return None  # closing the response drops the connection
-        if not done or events != max_tokens:
+        events, finished = 0, False
+        with self.api.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        ) as stream:
+            for chunk in stream:
+                events += 1
+                finished = any(choice.finish_reason for choice in chunk.choices)
+                if drop_after is not None and events >= drop_after:
+                    with self.lock:
+                        self.report.aborted += 1
+                    return None  # closing the stream drops the connection
+        if not finished or events != max_tokens:
             self._fail(kind, f"stream ended after {events} of {max_tokens} tokens")
             return None
         return events
@@ -270,6 +254,7 @@ def run_soak(
             client.one_request()
             with done_lock:
                 report.done += 1
+        client.api.close()
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
