@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import random
 
 import numpy as np
 import pytest
@@ -26,29 +25,25 @@ from vllm_kvevict.evaluation.serving_bench import (
     BenchResult,
     HistogramDelta,
     MetricSample,
-    RequestRecord,
     ResultStore,
     blocks_per_request,
     default_pool_blocks,
-    distribute_tokens,
     dtype_bytes,
     flag_value,
     histogram_delta,
     histogram_from_exposition,
     histogram_quantile,
     info_labels,
-    inter_token_latencies,
     kv_block_bytes,
     kv_cache_memory_bytes,
     markdown_table,
-    percentile,
     plan_managed,
     plan_pool,
-    plot_bench,
     plot_timeline,
     pool_blocks_from_exposition,
     ratios_vs_full,
     ratios_vs_unbounded,
+    request_records,
     results_csv,
     sample_from_values,
     summarize_run,
@@ -179,7 +174,7 @@ def test_full_unbounded_is_the_full_cache_in_its_own_pool(tmp_path, capsys) -> N
     assert unbounded.params != full.params
     # Resumed like the others: same parameters, no rerun.
     store = ResultStore(tmp_path / "results.json")
-    load = sb.LoadRun([_record(0, 0.0, [1.0, 2.0], [1, 1])], [], 0.0, 2065)
+    load = _load([(0.0, 1.0, [1.0], 100, 2, None)], pool=2065)
     store.put(FULL_UNBOUNDED, unbounded.params, _result(FULL_UNBOUNDED, None, 2.0, 1.0, 2065), load)
     assert ResultStore(tmp_path / "results.json").get(FULL_UNBOUNDED, unbounded.params) is not None
     assert ResultStore(tmp_path / "results.json").get(FULL_UNBOUNDED, full.params) is None
@@ -208,35 +203,6 @@ def test_full_unbounded_is_the_full_cache_in_its_own_pool(tmp_path, capsys) -> N
 # ---------------------------------------------------------------- statistics
 
 
-def test_percentiles_and_inter_token_latencies_match_numpy() -> None:
-    rng = np.random.default_rng(7)
-    values = rng.exponential(0.05, size=501)
-    for q in (0, 50, 90, 99, 100):
-        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    for _ in range(20):
-        chunks = int(rng.integers(1, 40))
-        times = np.cumsum(rng.exponential(0.03, size=chunks))
-        tokens = rng.integers(1, 4, size=chunks)
-        itl = inter_token_latencies(list(times), list(tokens))
-        expected = np.repeat(np.diff(times) / tokens[1:], tokens[1:])
-        assert len(itl) == tokens[1:].sum()
-        np.testing.assert_allclose(itl, expected)
-    # One token per chunk: the plain arrival differences.
-    np.testing.assert_allclose(inter_token_latencies([1.0, 1.5, 1.75], [1, 1, 1]), [0.5, 0.25])
-
-
-def test_tokens_spread_evenly_when_chunks_do_not_say() -> None:
-    assert distribute_tokens(8, 4) == [2, 2, 2, 2]
-    assert distribute_tokens(10, 4) == [2, 2, 3, 3]
-    assert distribute_tokens(3, 0) == []
-    for _ in range(50):
-        total, chunks = random.randint(0, 500), random.randint(1, 60)
-        spread = distribute_tokens(total, chunks)
-        assert sum(spread) == total and max(spread) - min(spread) <= 1
-
-
 def test_concurrency_and_usage_count_only_while_requests_are_outstanding() -> None:
     # Requests outstanding over [1, 4] and [3, 6]; samples every 0.5 s from 0 to 8.
     times = np.arange(0, 8.01, 0.5)
@@ -258,36 +224,55 @@ def test_concurrency_and_usage_count_only_while_requests_are_outstanding() -> No
     assert summarize_samples([], [(0.0, 1.0)]).max_running is None
 
 
-def _record(index: int, send: float, chunk_times: list[float], tokens: list[int],
-            prompt: int = 100, error: str | None = None) -> RequestRecord:
-    return RequestRecord(index, send, chunk_times[0] if chunk_times else None,
-                         chunk_times[-1] if chunk_times else send + 1, chunk_times, tokens,
-                         True, prompt, sum(tokens), error)
+def _load(requests: list[tuple[float, float, list[float], int, int, str | None]],
+          samples=(), preemptions: float | None = 0.0, pool: int | None = 517, clock0: float = 0.0,
+          max_tokens: int = 4, **figures) -> sb.LoadRun:
+    """A load as vLLM's benchmark() reports it, per request (start time, TTFT,
+    inter-chunk gaps, prompt tokens, completion tokens, error); the end of a
+    request is its last chunk's arrival."""
+    lists = {
+        "start_times": [r[0] for r in requests], "ttfts": [r[1] for r in requests],
+        "itls": [r[2] for r in requests], "latencies": [r[1] + sum(r[2]) for r in requests],
+        "input_lens": [r[3] for r in requests], "output_lens": [r[4] for r in requests],
+        "errors": [r[5] or "" for r in requests],
+    }
+    figures.setdefault("duration", max([r[0] + r[1] + sum(r[2]) for r in requests], default=0.0))
+    return sb.LoadRun(request_records(lists, max_tokens, clock0), figures, list(samples), preemptions, pool)
 
 
-def test_a_run_summary_from_records_and_samples() -> None:
-    records = [
-        _record(0, 0.0, [1.0, 1.1, 1.3, 1.6], [1, 1, 1, 1]),
-        _record(1, 0.0, [2.0, 2.5, 2.7], [2, 1, 1]),
-        _record(2, 0.5, [], [], error="HTTP 500: boom"),
-    ]
-    samples = [MetricSample(t, 2.0, 1.0, 0.25, None) for t in (0.1, 1.0, 2.0)]
-    result = summarize_run("snapkv@0.25", 0.25, 992, records, samples, 3.0, 517)
-    assert (result.requests, result.completed, result.failed) == (3, 2, 1)
-    assert result.wall_s == pytest.approx(2.7)
+def test_a_run_summary_from_vllms_benchmark_and_samples() -> None:
+    traceback = "Traceback (most recent call last):\n  ...\naiohttp.ClientPayloadError: Response payload is not completed\n"
+    load = _load([
+        (10.0, 1.0, [0.1, 0.2, 0.3], 100, 4, None),
+        (10.0, 2.0, [0.5, 0.2], 100, 4, None),  # two tokens in one chunk
+        (10.5, 0.0, [], 100, 0, traceback),
+        (10.5, 1.5, [0.1], 120, 2, None),  # stopped short of max_tokens
+    ], samples=[MetricSample(t, 2.0, 1.0, 0.25, None) for t in (0.1, 1.0, 2.0)], preemptions=3.0,
+        clock0=10.0, duration=2.75, p50_ttft_ms=1500.0, p99_ttft_ms=1990.0, p50_itl_ms=200.0,
+        p99_itl_ms=496.0)
+    first, _, failed, short = load.requests
+    assert (first["send_s"], first["first_token_s"], first["end_s"]) == (0.0, 1.0, pytest.approx(1.6))
+    assert first["itl"] == [0.1, 0.2, 0.3] and first["error"] is None
+    assert failed["error"] == "aiohttp.ClientPayloadError: Response payload is not completed"
+    assert failed["first_token_s"] is None
+    assert short["error"] == "2 completion tokens, asked 4"
+    result = summarize_run("snapkv@0.25", 0.25, 992, load, 517)
+    assert (result.requests, result.completed, result.failed) == (4, 2, 2)
+    assert result.wall_s == 2.75
     assert result.completion_tokens == 8 and result.prompt_tokens == 200
-    assert result.output_throughput == pytest.approx(8 / 2.7)
-    assert result.total_throughput == pytest.approx(208 / 2.7)
-    assert result.request_throughput == pytest.approx(2 / 2.7)  # completed requests only
-    ttft = [1.0, 2.0]
-    itl = [0.1, 0.2, 0.3, 0.5, 0.2]
-    assert result.ttft_p50_ms == pytest.approx(np.percentile(ttft, 50) * 1000)
-    assert result.ttft_p99_ms == pytest.approx(np.percentile(ttft, 99) * 1000)
-    assert result.itl_p50_ms == pytest.approx(np.percentile(itl, 50) * 1000)
-    assert result.itl_p99_ms == pytest.approx(np.percentile(itl, 99) * 1000)
+    assert result.output_throughput == pytest.approx(8 / 2.75)
+    assert result.total_throughput == pytest.approx(208 / 2.75)
+    assert result.request_throughput == pytest.approx(2 / 2.75)  # completed requests only
+    # Latency percentiles are vLLM's benchmark's own.
+    assert (result.ttft_p50_ms, result.ttft_p99_ms, result.itl_p50_ms, result.itl_p99_ms) == (
+        1500.0, 1990.0, 200.0, 496.0)
     assert result.max_running == 2.0 and result.preemptions == 3.0
     assert result.kv_blocks_peak == pytest.approx(0.25 * 516) and result.blocks_held_peak is None
-    assert result.errors == ["request 2: HTTP 500: boom"]
+    assert result.errors == ["request 2: aiohttp.ClientPayloadError: Response payload is not completed",
+                             "request 3: 2 completion tokens, asked 4"]
+    # No request completed: no latency figure (vLLM's would read 0).
+    nothing = summarize_run(FULL, None, None, _load([(0.0, 0.0, [], 10, 0, "boom")], p50_ttft_ms=0.0), 517)
+    assert nothing.ttft_p50_ms is None and nothing.completed == 0
 
 
 # ---------------------------------------------------------------- metrics
@@ -430,11 +415,12 @@ def test_eviction_histogram_over_a_run_from_two_scrapes() -> None:
     # p50: rank 4.5 of 9; 3 observations up to 0.01, 2 in (0.01, 0.02]: 0.01 + 0.01 x 1.5 / 2.
     assert histogram_quantile(0.5, run.buckets) == pytest.approx(0.0175)
     assert histogram_quantile(0.99, run.buckets) == LATENCY_BUCKETS[-1]  # rank 8.91 lies in +Inf
-    summary = summarize_run("snapkv@0.25", 0.25, 992, [_record(0, 0.0, [1.0, 2.0], [1, 1])], [],
-                            0.0, 517, run)
+    one = _load([(0.0, 1.0, [1.0], 100, 2, None)])
+    one.eviction = run
+    summary = summarize_run("snapkv@0.25", 0.25, 992, one, 517)
     assert summary.eviction_steps == 9 and summary.eviction_seconds == pytest.approx(sum(during))
     assert summary.eviction_p50_ms == pytest.approx(17.5) and summary.eviction_p99_ms == LATENCY_BUCKETS[-1] * 1000
-    assert summarize_run(FULL, None, None, [], [], None, None).eviction_p50_ms is None
+    assert summarize_run(FULL, None, None, _load([]), None).eviction_p50_ms is None
     # Born during the run: from 0. Absent at the end, or gone down (a restart): unknown.
     assert histogram_delta(None, after) == after and histogram_delta(before, None) is None
     assert histogram_delta(after, before) is None
@@ -567,26 +553,24 @@ def test_requests_per_second_for_results_stored_without_it() -> None:
     assert result.request_throughput == 16 / 100.0 and result.eviction_p50_ms is None
 
 
-def test_plots_are_png_files(tmp_path) -> None:
+def test_the_timeline_is_a_png_file(tmp_path) -> None:
     results = [_result(FULL, None, 20.0, 4.0), _result("snapkv@0.25", 0.25, 50.0, 10.0),
                _result("gpu", None, 1.0, 1.0, pool=None, mean_running=None, ttft_p50_ms=None)]
-    plot_bench(results, tmp_path / "bench.png")
     timelines = {r.name: [MetricSample(t, t % 5, 0.0, t / 20) for t in np.arange(0, 10, 0.25)]
                  for r in results}
     timelines["empty"] = []
     plot_timeline(timelines, tmp_path / "timeline.png", {FULL: 517})
-    for name in ("bench.png", "timeline.png"):
-        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_results_store_resumes_same_parameters_only(tmp_path) -> None:
     store = ResultStore(tmp_path / "results.json")
-    load = sb.LoadRun([_record(0, 0.0, [1.0, 2.0], [1, 1])], [MetricSample(0.5, 1.0)], 0.0, 517)
+    load = _load([(0.0, 1.0, [1.0], 100, 2, None)], samples=[MetricSample(0.5, 1.0)])
     params = {"workload": {"requests": 1, "seed": (0, 1)}, "server_args": ["--x", "1"]}
     store.put(FULL, params, _result(FULL, None, 2.0, 1.0), load)
     again = ResultStore(tmp_path / "results.json")
     run = again.get(FULL, params)
-    assert run is not None and run["requests"][0]["chunk_times"] == [1.0, 2.0]
+    assert run is not None and run["requests"][0]["itl"] == [1.0] and run["vllm_benchmark"] == {"duration": 2.0}
     assert sb.result_from_json(run["result"]) == _result(FULL, None, 2.0, 1.0)
     assert sb.samples_from_json(run["samples"]) == [MetricSample(0.5, 1.0)]
     assert again.get(FULL, {**params, "server_args": ["--x", "2"]}) is None

@@ -1,16 +1,16 @@
 """`kvevict bench`: serving capacity under a constrained KV pool, with and without
 eviction, measured on the real serving path.
 
-N long prompts (passkey haystacks of ``--prompt-tokens`` tokens) are sent at once
-as streaming ``/v1/completions`` requests with ``ignore_eos`` and a fixed number
-of output tokens, to a KV pool that holds only a few of them in full. The client
-records, per request, when it was sent, when each token chunk arrived and how
-many tokens it carried; a sampler thread scrapes the server's ``/metrics`` every
-0.25 s (vLLM's running/waiting requests, KV-cache usage, preemptions, and the
-plugin's ``kvevict_blocks_held``). The report says how many requests ran at once,
-how many tokens per second came out, the latency the clients saw (TTFT, ITL),
-how many KV blocks were in use and, from the plugin's ``kvevict_eviction_seconds``
-histogram read before and after the load, how long one step's eviction took.
+The load is vLLM's own serving benchmark (the ``benchmark()`` of ``vllm bench
+serve``): N streaming ``/v1/completions`` requests of long passkey prompts
+(``--prompt-tokens``), greedy, with ``ignore_eos`` and a fixed number of output
+tokens, ``--concurrency`` at a time, to a KV pool that holds only a few of them
+in full. vLLM's benchmark times every request (TTFT, inter-token gaps) and
+counts throughput; this tool adds what it lacks: a sampler that scrapes
+``/metrics`` every 0.25 s meanwhile (vLLM's running and waiting requests,
+KV-cache usage, preemptions, the plugin's ``kvevict_blocks_held``), the plugin's
+``kvevict_eviction_seconds`` histogram read before and after the load (how long
+one step's eviction took), and one KV pool for every setting it serves.
 
 Each ``--setting`` is one of:
 
@@ -26,12 +26,10 @@ Each ``--setting`` is one of:
   full at once (no memory limit, no eviction): the ``x unbounded`` ratios
   divide by it, the ceiling eviction in the bounded pool can reach.
 
-Both can be mixed.
-
-Outputs in ``--out``: ``results.md``, ``results.csv``, ``results.json`` (every
-request's timings and every metric sample; a setting already there with the
-same parameters is not run again unless ``--force``), ``bench.png`` and
-``timeline.png``.
+Both can be mixed. Outputs in ``--out``: ``results.md``, ``results.csv``,
+``results.json`` (every request's timings and every metric sample; a setting
+already there with the same parameters is not run again unless ``--force``)
+and ``timeline.png``.
 
     kvevict bench                                   # full vs snapkv@0.25, default model
     kvevict bench --setting full --setting snapkv@0.25 --setting momentkv@0.5
@@ -45,6 +43,7 @@ same parameters is not run again unless ``--force``), ``bench.png`` and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import io
 import json
@@ -54,7 +53,6 @@ import shlex
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -63,7 +61,7 @@ import numpy as np
 import requests
 
 from vllm_kvevict.evaluation.ruler import load_tokenizer
-from vllm_kvevict.evaluation.server import parse_metrics, scrape, scrape_metrics, served_model
+from vllm_kvevict.evaluation.server import VllmServer, parse_metrics, scrape, scrape_metrics, served_model
 from vllm_kvevict.evaluation.settings import (
     add_kv_eviction_config_argument,
     DEFAULT_BLOCK_SIZE,
@@ -278,39 +276,6 @@ def counter_delta(before: float | None, after: float | None) -> float | None:
 # ---------------------------------------------------------------- statistics
 
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """numpy's default (linear interpolation) percentile; None for no values."""
-    data = np.asarray(list(values), dtype=float)
-    return float(np.percentile(data, q)) if data.size else None
-
-
-def distribute_tokens(total: int, chunks: int) -> list[int]:
-    """``total`` tokens over ``chunks`` chunks as evenly as whole tokens allow (the
-    remainder goes to the last chunks): when the server does not report how many
-    tokens each chunk carried."""
-    if chunks <= 0:
-        return []
-    base, extra = divmod(total, chunks)
-    return [base + (1 if i >= chunks - extra else 0) for i in range(chunks)]
-
-
-def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
-    """Inter-token latencies of one stream (seconds).
-
-    The gap between two successive chunk arrivals is split evenly over the tokens
-    the later chunk carried: a chunk of n tokens after a gap g gives n latencies
-    of g / n, so there is one latency per token after the first chunk (the first
-    chunk's tokens count toward the TTFT). A stream of one token per chunk gives
-    the plain arrival differences.
-    """
-    latencies: list[float] = []
-    for i in range(1, len(chunk_times)):
-        tokens = chunk_tokens[i]
-        if tokens > 0:
-            latencies.extend([(chunk_times[i] - chunk_times[i - 1]) / tokens] * tokens)
-    return latencies
-
-
 def outstanding_mask(times: Sequence[float], intervals: Sequence[tuple[float, float]]) -> np.ndarray:
     """For each time, whether some request was outstanding (sent, not yet answered)."""
     t = np.asarray(times, dtype=float)[:, None]
@@ -373,30 +338,6 @@ def summarize_samples(samples: Sequence[MetricSample], intervals: Sequence[tuple
 
 
 @dataclass
-class RequestRecord:
-    """One streamed request; times in seconds since the load started."""
-
-    index: int
-    send_s: float
-    first_token_s: float | None = None
-    end_s: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens each carried
-    tokens_per_chunk_reported: bool = False  # from continuous usage (else spread evenly)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.send_s
-
-
-@dataclass
 class BenchResult:
     """One setting's figures: what the report's row, the CSV and the plots show."""
 
@@ -440,32 +381,30 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000.0
 
 
-def summarize_run(name: str, fraction: float | None, budget: int | None,
-                  records: Sequence[RequestRecord], samples: Sequence[MetricSample],
-                  preemptions: float | None, pool_blocks: int | None,
-                  eviction: HistogramDelta | None = None) -> BenchResult:
-    """Latency over the completed requests, throughput over the wall time of all;
-    ``eviction``: what kvevict_eviction_seconds gained over the run."""
-    done = [r for r in records if r.ok]
-    sent = [r.send_s for r in records]
-    ends = [r.end_s for r in records if r.end_s is not None]
-    wall = (max(ends) - min(sent)) if sent and ends else 0.0
-    prompt = sum(r.prompt_tokens for r in done)
-    completion = sum(r.completion_tokens for r in done)
-    itl = [x for r in done for x in inter_token_latencies(r.chunk_times, r.chunk_tokens)]
-    ttft = [r.ttft for r in done if r.ttft is not None]
-    intervals = [(r.send_s, r.end_s if r.end_s is not None else r.send_s) for r in records]
-    summary = summarize_samples(samples, intervals, pool_blocks)
+def summarize_run(name: str, fraction: float | None, budget: int | None, load: LoadRun,
+                  pool_blocks: int | None) -> BenchResult:
+    """One setting's row: throughput over vLLM's benchmark duration, latency
+    percentiles as vLLM's benchmark computed them, tokens over the completed
+    requests, and the metric samples taken while some request was outstanding."""
+    done = [r for r in load.requests if r["error"] is None]
+    wall = load.figures.get("duration", 0.0)
+    prompt = sum(r["prompt_tokens"] for r in done)
+    completion = sum(r["completion_tokens"] for r in done)
+    summary = summarize_samples(load.samples, [(r["send_s"], r["end_s"]) for r in load.requests],
+                                pool_blocks)
+    latency = {key: load.figures.get(key) if done else None
+               for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")}
+    eviction = load.eviction
     return BenchResult(
-        name=name, kept_fraction=fraction, budget=budget, requests=len(records),
-        completed=len(done), failed=len(records) - len(done), wall_s=wall,
+        name=name, kept_fraction=fraction, budget=budget, requests=len(load.requests),
+        completed=len(done), failed=len(load.requests) - len(done), wall_s=wall,
         prompt_tokens=prompt, completion_tokens=completion,
         output_throughput=completion / wall if wall > 0 else 0.0,
         total_throughput=(prompt + completion) / wall if wall > 0 else 0.0,
         max_running=summary.max_running, mean_running=summary.mean_running,
-        max_waiting=summary.max_waiting, preemptions=preemptions,
-        ttft_p50_ms=_ms(percentile(ttft, 50)), ttft_p99_ms=_ms(percentile(ttft, 99)),
-        itl_p50_ms=_ms(percentile(itl, 50)), itl_p99_ms=_ms(percentile(itl, 99)),
+        max_waiting=summary.max_waiting, preemptions=load.preemptions,
+        ttft_p50_ms=latency["p50_ttft_ms"], ttft_p99_ms=latency["p99_ttft_ms"],
+        itl_p50_ms=latency["p50_itl_ms"], itl_p99_ms=latency["p99_itl_ms"],
         kv_usage_peak=summary.kv_usage_peak, kv_usage_mean=summary.kv_usage_mean,
         kv_blocks_peak=summary.kv_blocks_peak, kv_blocks_mean=summary.kv_blocks_mean,
         blocks_held_peak=summary.blocks_held_peak, pool_blocks=pool_blocks,
@@ -474,7 +413,7 @@ def summarize_run(name: str, fraction: float | None, budget: int | None,
         eviction_seconds=None if eviction is None else eviction.sum,
         eviction_p50_ms=None if eviction is None else _ms(histogram_quantile(0.5, eviction.buckets)),
         eviction_p99_ms=None if eviction is None else _ms(histogram_quantile(0.99, eviction.buckets)),
-        errors=[f"request {r.index}: {r.error}" for r in records if r.error][:10],
+        errors=[f"request {r['index']}: {r['error']}" for r in load.requests if r["error"]][:10],
     )
 
 
@@ -587,45 +526,6 @@ def results_csv(results: Sequence[BenchResult]) -> str:
     return buffer.getvalue()
 
 
-def _zero(value: float | None) -> float:
-    return 0.0 if value is None else value
-
-
-def plot_bench(results: Sequence[BenchResult], path: Path) -> None:
-    """Bars per setting: output throughput, requests running at once (max and mean),
-    TTFT and ITL at p50 and p99."""
-    plt = pyplot()
-    names = [r.name for r in results]
-    x = np.arange(len(names))
-    fig, axes = plt.subplots(2, 2, figsize=(max(8.0, 1.6 * len(names) + 5), 7.5))
-    def bars(**series: str) -> list[tuple[str, list[float]]]:
-        return [(label, [_zero(getattr(r, attr)) for r in results]) for label, attr in series.items()]
-
-    panels = [
-        (axes[0, 0], "output throughput", "tokens/s", bars(out="output_throughput")),
-        (axes[0, 1], "requests running at once", "requests", bars(max="max_running", mean="mean_running")),
-        (axes[1, 0], "time to first token", "ms", bars(p50="ttft_p50_ms", p99="ttft_p99_ms")),
-        (axes[1, 1], "inter-token latency", "ms", bars(p50="itl_p50_ms", p99="itl_p99_ms")),
-    ]
-    for ax, title, unit, bars in panels:
-        width = 0.8 / len(bars)
-        for i, (label, values) in enumerate(bars):
-            drawn = ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label)
-            ax.bar_label(drawn, fmt="%.3g", fontsize=7)
-        ax.set_xticks(x, names, rotation=20, ha="right")
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-        ax.grid(axis="y", alpha=0.3)
-        if len(bars) > 1:
-            ax.legend(fontsize=8)
-    first = results[0] if results else None
-    if first is not None:
-        fig.suptitle(f"{first.requests} requests per setting", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=PNG_DPI)
-    plt.close(fig)
-
-
 def plot_timeline(timelines: dict[str, Sequence[MetricSample]], path: Path,
                   pool_blocks: dict[str, int | None] | None = None) -> None:
     """Requests running and KV-cache usage (%) against time since the load
@@ -695,72 +595,6 @@ def build_prompts(tokenizer: Any, count: int, prompt_tokens: int, seed: int,
     return prompts
 
 
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int, index: int,
-                      clock0: float, timeout: float = 3600) -> RequestRecord:
-    """One streaming greedy completion of exactly ``max_tokens`` tokens, timed per chunk.
-
-    ``continuous_usage_stats`` (a vLLM extension of ``stream_options``) makes every
-    chunk carry the running completion-token count, so the tokens per chunk are
-    exact; a server without it gets the final usage spread evenly over the chunks.
-    """
-    record = RequestRecord(index, send_s=time.perf_counter() - clock0)
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    done, reported, final_usage = False, 0, None
-    try:
-        with requests.post(url.rstrip("/") + "/v1/completions", json=body, stream=True,
-                           timeout=timeout) as reply:
-            if reply.status_code != 200:
-                record.error = f"HTTP {reply.status_code}: {reply.text[:300]}"
-            else:
-                for line in reply.iter_lines(chunk_size=None):
-                    now = time.perf_counter() - clock0
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        record.error = f"stream error: {json.dumps(event['error'])[:300]}"
-                        break
-                    usage = event.get("usage") or None
-                    if not event.get("choices"):
-                        final_usage = usage or final_usage
-                        continue
-                    if usage and usage.get("completion_tokens") is not None:
-                        tokens = int(usage["completion_tokens"]) - reported
-                        reported = int(usage["completion_tokens"])
-                        record.tokens_per_chunk_reported = True
-                    else:
-                        tokens = 1  # corrected from the final usage below
-                    if tokens > 0:
-                        record.chunk_times.append(now)
-                        record.chunk_tokens.append(tokens)
-    except (requests.RequestException, ValueError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
-    record.end_s = time.perf_counter() - clock0
-    if record.chunk_times:
-        record.first_token_s = record.chunk_times[0]
-    if final_usage:
-        record.prompt_tokens = int(final_usage.get("prompt_tokens") or 0)
-        record.completion_tokens = int(final_usage.get("completion_tokens") or 0)
-    else:
-        record.completion_tokens = sum(record.chunk_tokens)
-    if (not record.tokens_per_chunk_reported and record.chunk_tokens
-            and sum(record.chunk_tokens) != record.completion_tokens):
-        record.chunk_tokens = distribute_tokens(record.completion_tokens, len(record.chunk_tokens))
-    if record.error is None and not done:
-        record.error = "stream ended without [DONE]"
-    if record.error is None and record.completion_tokens != max_tokens:
-        record.error = f"{record.completion_tokens} completion tokens, asked {max_tokens}"
-    return record
-
-
 class MetricSampler(threading.Thread):
     """Scrapes ``/metrics`` every ``interval`` seconds until stopped."""
 
@@ -826,19 +660,37 @@ def settled_histogram(url: str, name: str, pause: float = 0.5, tries: int = 10) 
 
 @dataclass
 class LoadRun:
-    records: list[RequestRecord]
+    requests: list[dict[str, Any]]  # per request: times since the load started, tokens, error
+    figures: dict[str, Any]  # vLLM's benchmark(): duration, throughput, TTFT and ITL percentiles
     samples: list[MetricSample]
     preemptions: float | None
     pool_blocks: int | None  # from vllm:cache_config_info, when the server exposes it
     eviction: HistogramDelta | None = None  # kvevict_eviction_seconds, end - start
 
 
-def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
-             desc: str = "", interval: float = 0.25, timeout: float = 3600,
+def request_records(figures: dict[str, Any], max_tokens: int, clock0: float) -> list[dict[str, Any]]:
+    """vLLM's per-request lists as one record per request, in seconds since the
+    load started; a request that returned another number of tokens than asked failed."""
+    records = []
+    for index, (start, ttft, itl, latency, prompt, completion, error) in enumerate(zip(
+            figures["start_times"], figures["ttfts"], figures["itls"], figures["latencies"],
+            figures["input_lens"], figures["output_lens"], figures["errors"])):
+        error = error.strip().splitlines()[-1][:300] if error else None
+        if error is None and completion != max_tokens:
+            error = f"{completion} completion tokens, asked {max_tokens}"
+        send = start - clock0
+        records.append({"index": index, "send_s": send, "first_token_s": send + ttft if ttft else None,
+                        "end_s": send + latency, "itl": itl, "prompt_tokens": prompt,
+                        "completion_tokens": completion, "error": error})
+    return records
+
+
+def run_load(url: str, load: Sequence[Any], concurrency: int, tokenizer: Any, interval: float = 0.25,
              idle_timeout: float = 300, progress: bool = True) -> LoadRun:
-    """Wait for an idle server, send every prompt (``concurrency`` at a time),
-    sample ``/metrics`` meanwhile, wait for idle again."""
-    from tqdm import tqdm
+    """Wait for an idle server, run vLLM's serving benchmark over ``load`` (its
+    ``SampleRequest``s, ``concurrency`` at a time, greedy, ``ignore_eos``) while
+    sampling ``/metrics``, wait for idle again."""
+    from vllm.benchmarks.serve import TaskType, benchmark
 
     model, _ = served_model(url)
     before = wait_idle(url, idle_timeout)
@@ -846,29 +698,28 @@ def run_load(url: str, prompts: Sequence[str], max_tokens: int, concurrency: int
         text = scrape(url)
     except requests.HTTPError:
         text = ""
-    pool = pool_blocks_from_exposition(text)
     evicted_before = histogram_from_exposition(text, EVICTION_SECONDS)
     clock0 = time.perf_counter()
     sampler = MetricSampler(url, clock0, interval)
     sampler.start()
-    bar = tqdm(total=len(prompts), desc=desc or "requests", unit="req", disable=not progress,
-               dynamic_ncols=True)
-
-    def one(item: tuple[int, str]) -> RequestRecord:
-        record = stream_completion(url, model, item[1], max_tokens, item[0], clock0, timeout)
-        bar.update()
-        return record
-
     try:
-        with ThreadPoolExecutor(max(1, concurrency)) as pool_executor:
-            records = list(pool_executor.map(one, enumerate(prompts)))
+        figures = asyncio.run(benchmark(
+            task_type=TaskType.GENERATION, endpoint_type="openai", api_url=url + "/v1/completions",
+            base_url=url, model_id=model, model_name=model, tokenizer=tokenizer,
+            input_requests=list(load), logprobs=None, request_rate=float("inf"), burstiness=1.0,
+            disable_tqdm=not progress, num_warmups=0, profile=False,
+            selected_percentile_metrics=["ttft", "itl", "e2el"], selected_percentiles=[50, 99],
+            ignore_eos=True, goodput_config_dict={}, max_concurrency=concurrency,
+            lora_modules=None, extra_headers=None, extra_body={"temperature": 0},
+            ready_check_timeout_sec=0))
         after = wait_idle(url, idle_timeout)
         evicted_after = settled_histogram(url, EVICTION_SECONDS)
     finally:
         samples = sampler.stop()
-        bar.close()
-    return LoadRun(records, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)),
-                   pool, histogram_delta(evicted_before, evicted_after))
+    records = request_records(figures, load[0].expected_output_len, clock0)
+    figures = {k: v for k, v in figures.items() if not isinstance(v, list)}
+    return LoadRun(records, figures, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)),
+                   pool_blocks_from_exposition(text), histogram_delta(evicted_before, evicted_after))
 
 
 # ---------------------------------------------------------------- results file
@@ -895,7 +746,7 @@ class ResultStore:
     def put(self, name: str, params: dict[str, Any], result: BenchResult, load: LoadRun) -> None:
         self.runs[name] = {
             "name": name, "params": self.normalize(params), "result": asdict(result),
-            "requests": [asdict(r) for r in load.records],
+            "requests": load.requests, "vllm_benchmark": load.figures,
             "samples": [asdict(s) for s in load.samples],
             # kvevict_eviction_seconds over the run: [le, cumulative count], the sum.
             "eviction_histogram": None if load.eviction is None else {
@@ -929,7 +780,7 @@ def samples_from_json(data: Iterable[dict[str, Any]]) -> list[MetricSample]:
 
 
 def write_outputs(out: Path, runs: Sequence[dict[str, Any]], header: str) -> str:
-    """results.md, results.csv, bench.png, timeline.png; returns the Markdown table."""
+    """results.md, results.csv, timeline.png; returns the Markdown table."""
     results = [result_from_json(run["result"]) for run in runs]
     table = markdown_table(results)
     errors = [line for r in results for line in (f"{r.name}: {e}" for e in r.errors)]
@@ -938,7 +789,6 @@ def write_outputs(out: Path, runs: Sequence[dict[str, Any]], header: str) -> str
         text += "\nFailed requests (first ones):\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.csv").write_text(results_csv(results))
-    plot_bench(results, out / "bench.png")
     plot_timeline({run["name"]: samples_from_json(run["samples"]) for run in runs},
                   out / "timeline.png", {r.name: r.pool_blocks for r in results})
     return table
@@ -1122,7 +972,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=Path("kvevict-bench"), help="output folder")
     run.add_argument("--force", action="store_true", help="rerun settings already in results.json")
     run.add_argument("--sample-interval", type=float, default=0.25, help="seconds between scrapes")
-    run.add_argument("--request-timeout", type=float, default=3600, help="seconds per request")
     run.add_argument("--idle-timeout", type=float, default=300,
                      help="seconds to wait for the server to drain before and after")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -1139,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("concurrency", "max_num_seqs", "max_num_batched_tokens", "pool_full_requests"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("sample_interval", "request_timeout", "idle_timeout", "ready_timeout"):
+    for flag in ("sample_interval", "idle_timeout", "ready_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     try:
@@ -1174,8 +1023,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
         parser.error(f"--shared-prefix-tokens {args.shared_prefix_tokens} must be in [0, "
                      f"--prompt-tokens {args.prompt_tokens})")
+    from vllm.benchmarks.datasets import SampleRequest
+
     prompts = build_prompts(tokenizer, args.requests, args.prompt_tokens, args.seed, args.shared_prefix_tokens)
     lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    inputs = [SampleRequest(prompt=p, prompt_len=n, expected_output_len=args.max_tokens)
+              for p, n in zip(prompts, lengths)]
     mean_prompt = float(np.mean(lengths))
     print(f"{args.requests} prompts of {min(lengths)}..{max(lengths)} tokens "
           f"(mean {mean_prompt:.0f}), {args.max_tokens} output tokens each, "
@@ -1201,18 +1054,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{setting.name}: already in {store.path}, skipped (--force reruns it)", flush=True)
             continue
         if plan.server_args is None:
-            load = run_load(setting.url, prompts, args.max_tokens, args.concurrency, setting.name,
-                            args.sample_interval, args.request_timeout, args.idle_timeout,
-                            not args.no_progress)
+            load = run_load(setting.url, inputs, args.concurrency, tokenizer, args.sample_interval,
+                            args.idle_timeout, not args.no_progress)
         else:
-            load = _run_managed(setting, model, plan.server_args, prompts, args, out)
+            load = _run_managed(setting, model, plan.server_args, inputs, tokenizer, args, out)
         pool_blocks = plan.pool_blocks or load.pool_blocks
         if plan.server_args is not None and load.pool_blocks not in (None, plan.pool_blocks):
             print(f"{setting.name}: vLLM reports a pool of {load.pool_blocks} blocks, "
                   f"{plan.pool_blocks} expected; reporting vLLM's", flush=True)
             pool_blocks = load.pool_blocks
-        result = summarize_run(setting.name, setting.fraction, plan.budget, load.records,
-                               load.samples, load.preemptions, pool_blocks, load.eviction)
+        result = summarize_run(setting.name, setting.fraction, plan.budget, load, pool_blocks)
         store.put(setting.name, plan.params, result, load)
         evicted = (f", eviction p50 {result.eviction_p50_ms:.2f} ms a step over "
                    f"{result.eviction_steps:.0f} steps" if result.eviction_p50_ms is not None else "")
@@ -1225,32 +1076,29 @@ def main(argv: list[str] | None = None) -> int:
               f"(target {args.prompt_tokens}) and {args.max_tokens} output tokens, "
               f"{args.concurrency} at a time, seed {args.seed}; running = "
               f"vllm:num_requests_running while requests were outstanding; KV blocks = "
-              f"vllm:kv_cache_usage_perc x (pool - 1); ITL = chunk gaps split over their tokens; "
+              f"vllm:kv_cache_usage_perc x (pool - 1); TTFT, ITL: vLLM's serving benchmark; "
               f"evict = one model step's eviction work (all layers, every request evicting in "
               f"that step) from {EVICTION_SECONDS}, p50/p99 interpolated in its buckets, over "
               f"the steps that evicted; x unbounded = fraction of {FULL_UNBOUNDED} (no eviction, "
               f"a KV pool for all {args.requests} requests).")
     table = write_outputs(out, runs, header)
     print("\n" + header + "\n\n" + table)
-    print(f"\nwritten to {out}/ (results.md, results.csv, results.json, bench.png, timeline.png)",
+    print(f"\nwritten to {out}/ (results.md, results.csv, results.json, timeline.png)",
           flush=True)
     return 0 if all(run["result"]["failed"] == 0 for run in runs) else 1
 
 
-def _run_managed(setting: ServingSetting, model: str, server_args: list[str], prompts: list[str],
-                 args: argparse.Namespace, out: Path) -> LoadRun:
+def _run_managed(setting: ServingSetting, model: str, server_args: list[str], load: Sequence[Any],
+                 tokenizer: Any, args: argparse.Namespace, out: Path) -> LoadRun:
     """Start ``vllm serve`` for one setting, run the load, stop it."""
-    from vllm_kvevict.evaluation.server import VllmServer
-
     work = out / "servers" / setting.name.replace("/", "_")
     work.mkdir(parents=True, exist_ok=True)
     print(f"{setting.name}: starting vllm serve (log: {work / 'server.log'})", flush=True)
     server = VllmServer(model, server_args, stats_path=work / "stats.json", log_path=work / "server.log")
     try:
         server.wait_ready(timeout=args.ready_timeout)
-        return run_load(server.url, prompts, args.max_tokens, args.concurrency, setting.name,
-                        args.sample_interval, args.request_timeout, args.idle_timeout,
-                        not args.no_progress)
+        return run_load(server.url, load, args.concurrency, tokenizer, args.sample_interval,
+                        args.idle_timeout, not args.no_progress)
     finally:
         server.stop()
 
