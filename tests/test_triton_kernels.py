@@ -4,7 +4,7 @@ Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 on CPU tensors). Triton reads that variable when ``@triton.jit`` decorates a
 function: for our kernels when their modules are imported, for triton's own
 library (``tl.sum``, ``tl.zeros``...) when ``triton`` is first imported. So it
-is set here before any import of triton; if another test module imported
+is set by ``triton_mode`` before any import of triton; if another test module imported
 triton first (vLLM does), this file cannot interpret in this process and
 ``test_kernels_in_fresh_process`` runs it in a new one instead. On a machine
 with CUDA (and ``TRITON_INTERPRET`` unset) the same tests run the compiled
@@ -26,63 +26,30 @@ import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-
-triton = pytest.importorskip("triton")
-
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton_mode import DEVICE, INTERPRET, run_in_fresh_process, skip_unless
 
 from vllm_kvevict.moments import EvictedMoments  # noqa: E402
 from vllm_kvevict.triton_kernels import compact_head_pages as chp  # noqa: E402
 from vllm_kvevict.triton_kernels import head_paged_attention as hpa  # noqa: E402
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 
-# Triton's library was decorated before TRITON_INTERPRET was set: interpreted
-# kernels would call compiled-mode helpers and fail.
-NEEDS_FRESH_PROCESS = INTERPRET and isinstance(triton.language.zeros, JITFunction)
-
-
 @pytest.fixture(autouse=True)
 def _interpretable(request: pytest.FixtureRequest) -> None:
-    if NEEDS_FRESH_PROCESS and request.node.name != "test_kernels_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run by test_kernels_in_fresh_process")
+    skip_unless(request, "test_kernels_in_fresh_process")
 
 
 def test_kernels_in_fresh_process() -> None:
     """This file in a new interpreter, when this one imported triton too early."""
-    if not NEEDS_FRESH_PROCESS:
-        pytest.skip("the kernel tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pytest", str(Path(__file__).resolve()),
-            "-q", "-p", "no:cacheprovider", "-k", "not test_kernels_in_fresh_process",
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    summary = result.stdout.strip().splitlines()[-1]
     # Only the check against vLLM's own views may skip (without vLLM).
     allowed = 0 if importlib.util.find_spec("vllm") is not None else 1
-    skipped = re.search(r"(\d+) skipped", summary)
-    assert " passed" in summary and (int(skipped.group(1)) if skipped else 0) <= allowed, result.stdout[-2000:]
-    print(summary)
+    print(run_in_fresh_process(__file__, "test_kernels_in_fresh_process", allowed))
 
 
 POISON = float("nan")

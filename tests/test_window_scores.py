@@ -3,7 +3,7 @@ against :class:`~vllm_kvevict.policies.SnapKVPolicy` as the eviction engine
 scores today, on fresh random inputs.
 
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``
-on CPU tensors), set here before any import of triton; when another test module
+on CPU tensors), set by ``triton_mode`` before any import of triton; when another test module
 imported triton first, ``test_window_scores_in_fresh_process`` runs this file in
 a new process (as ``tests/test_triton_kernels.py`` does). With CUDA (and
 ``TRITON_INTERPRET`` unset) the compiled kernels run on the GPU.
@@ -19,24 +19,12 @@ in fp32 and only the order of the sums differs).
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
-
-triton = pytest.importorskip("triton")
-
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton_mode import DEVICE, run_in_fresh_process, skip_unless
 
 from vllm_kvevict.eviction.select import score_heads  # noqa: E402
 from vllm_kvevict.policies import ScoringInputs, SnapKVPolicy  # noqa: E402
@@ -46,38 +34,17 @@ from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference  # noqa: E402
 from vllm_kvevict.triton_kernels.window_scores_torch import item_lengths, pool_votes  # noqa: E402
 
-# Triton's library was decorated before TRITON_INTERPRET was set: interpreted
-# kernels would call compiled-mode helpers and fail.
-NEEDS_FRESH_PROCESS = INTERPRET and isinstance(triton.language.zeros, JITFunction)
-
 POISON = float("nan")
 
 
 @pytest.fixture(autouse=True)
 def _interpretable(request: pytest.FixtureRequest) -> None:
-    if NEEDS_FRESH_PROCESS and request.node.name != "test_window_scores_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run by test_window_scores_in_fresh_process")
+    skip_unless(request, "test_window_scores_in_fresh_process")
 
 
 def test_window_scores_in_fresh_process() -> None:
     """This file in a new interpreter, when this one imported triton too early."""
-    if not NEEDS_FRESH_PROCESS:
-        pytest.skip("the kernel tests run in this process")
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pytest", str(Path(__file__).resolve()),
-            "-q", "-p", "no:cacheprovider", "-k", "not test_window_scores_in_fresh_process",
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and not re.search(r"\d+ skipped", summary), result.stdout[-2000:]
-    print(summary)
+    print(run_in_fresh_process(__file__, "test_window_scores_in_fresh_process", timeout=600))
 
 
 @dataclass
