@@ -42,8 +42,8 @@ FIELDS = [
     "max_protected_prefix_tokens",
 ]
 POLICY_NAMES = [
-    "criticalkv", "expected_attention", "h2o", "keydiff", "knorm", "momentkv",
-    "pyramidkv", "random", "snapkv", "streamingllm", "tova",
+    "criticalkv", "defensivekv", "expected_attention", "h2o", "keydiff", "knorm",
+    "layer_defensivekv", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm", "tova",
 ]
 
 SETTINGS = {
@@ -507,6 +507,7 @@ README_OPTION_LABELS = {
     "KeyDiff": ["keydiff"],
     "Expected Attention": ["expected_attention"],
     "CriticalKV": ["criticalkv"],
+    "DefensiveKV": ["defensivekv", "layer_defensivekv"],
     "random": ["random"],
     "learned": ["learned"],
 }

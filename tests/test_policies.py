@@ -234,8 +234,9 @@ def test_streamingllm_dense_sequence():
 
 def test_policy_registry():
     assert sorted(POLICIES) == [
-        "criticalkv", "expected_attention", "h2o", "keydiff", "knorm",
-        "learned", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm", "tova",
+        "criticalkv", "defensivekv", "expected_attention", "h2o", "keydiff", "knorm",
+        "layer_defensivekv", "learned", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm",
+        "tova",
     ]
     assert policy_options("snapkv") == {"kernel_size": 15, "pooling": "max"}
     assert policy_options("streamingllm") == {}
@@ -245,7 +246,7 @@ def test_policy_registry():
 
 
 def test_make_policy_errors():
-    with pytest.raises(ValueError, match="criticalkv, expected_attention, h2o, keydiff"):
+    with pytest.raises(ValueError, match="criticalkv, defensivekv, expected_attention, h2o, keydiff"):
         make_policy("scissorhands")
     with pytest.raises(ValueError, match="kernel_size, pooling"):
         make_policy("snapkv", {"window": 3})
@@ -323,7 +324,15 @@ def test_grouped_attention_probs_against_a_loop(seed):
         assert bool((probs[2, :, : window // 2] == 0).all())
 
 
-@pytest.mark.parametrize("name", sorted(n for n, cls in POLICIES.items() if cls.needs_queries))
+# DefensiveKV's value factor is a share of the layer's KV heads at each
+# position, so its heads are coupled by design (tests/test_defensivekv.py
+# checks its ragged layers against a reference).
+HEAD_COUPLED = ("defensivekv", "layer_defensivekv")
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, cls in POLICIES.items() if cls.needs_queries and n not in HEAD_COUPLED)
+)
 @pytest.mark.parametrize("seed", range(3))
 def test_ragged_heads_scored_apart_get_their_padded_scores(name, seed):
     """Heads holding different numbers of tokens (per-head page tables pad

@@ -63,6 +63,11 @@ CASES = {
     # the window partly from earlier steps).
     "pyramidkv": {"policy": "pyramidkv", "budget": 256},
     "pyramidkv-per-chunk": {"policy": "pyramidkv", "budget": 256, "prefill_mode": "per_chunk"},
+    # CriticalKV's importance aggregated by its worst case over the window
+    # (each layer's output projection): AdaKV head budgets, and one ranking
+    # over every layer and head after the last layer.
+    "defensivekv": {"policy": "defensivekv", "budget": 256},
+    "layer_defensivekv": {"policy": "layer_defensivekv", "budget": 256},
     "random": {"policy": "random", "budget": 512},
     # Gates shipped for the default model; one ranking over every layer and
     # head (eager here, compiled in test_learned_e2e.py).
@@ -74,7 +79,7 @@ CASES = {
 # last queries.
 SHARED_PREFILL = (
     "tova", "momentkv", "momentkv-diagonal", "momentkv-zeroth-order", "expected_attention",
-    "criticalkv-adaptive", "h2o", "pyramidkv",
+    "criticalkv-adaptive", "h2o", "pyramidkv", "defensivekv", "layer_defensivekv",
 )
 
 
@@ -84,12 +89,19 @@ def prompt_ids(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def served(model_dir, prompt_ids, tmp_path_factory) -> dict:
-    """Each case's greedy token ids (or its engine's error) and the engines' log."""
+def served(model_dir, prompt_ids, tmp_path_factory, request) -> dict:
+    """Each selected case's greedy token ids (or its engine's error) and the
+    engines' log: only the engines of the cases this run selects (``-k``)
+    start."""
+    selected = {
+        item.callspec.params["case"] for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    cases = {case: settings for case, settings in CASES.items() if case in selected}
     work = tmp_path_factory.mktemp("policies_e2e")
-    request, result, log = work / "request.json", work / "result.json", work / "engines.log"
-    request.write_text(json.dumps({"model_dir": model_dir, "prompt": prompt_ids, "cases": CASES,
-                                   "max_tokens": MAX_TOKENS, "result": str(result)}))
+    spec, result, log = work / "request.json", work / "result.json", work / "engines.log"
+    spec.write_text(json.dumps({"model_dir": model_dir, "prompt": prompt_ids, "cases": cases,
+                                "max_tokens": MAX_TOKENS, "result": str(result)}))
     env = dict(
         os.environ,
         PYTHONSAFEPATH="1",  # the repo's triton_kernels/ must not shadow vLLM's
@@ -98,7 +110,7 @@ def served(model_dir, prompt_ids, tmp_path_factory) -> dict:
     )
     script = Path(__file__).with_name("policy_engines.py")
     with open(log, "w") as handle:
-        proc = subprocess.run([sys.executable, str(script), str(request)], env=env, stdout=handle,
+        proc = subprocess.run([sys.executable, str(script), str(spec)], env=env, stdout=handle,
                               stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S,
                               preexec_fn=bind_to_engine_core)
     results = json.loads(result.read_text()) if result.exists() else {}

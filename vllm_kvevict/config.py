@@ -107,10 +107,11 @@ class EvictionConfig(BaseModel):
         "KV heads tokens, the highest-scoring across its heads, each head at least "
         "head_budget_floor of an equal share) or pyramid (PyramidKV: the request keeps budget "
         "x layers x KV heads tokens, each layer a share falling linearly with depth, split "
-        "equally over its heads; the default for pyramidkv) or global (policy learned, "
-        "DBTrimKV: the request keeps budget x layers x KV heads tokens, the highest-scoring "
-        "across every layer and head; the default for learned); adaptive, pyramid and global "
-        "need storage head_pages",
+        "equally over its heads; the default for pyramidkv) or global (policies whose scores "
+        "share one scale across layers, learned (DBTrimKV), defensivekv and layer_defensivekv: "
+        "the request keeps budget x layers x KV heads tokens, the highest-scoring across every "
+        "layer and head; the default for learned and layer_defensivekv); adaptive, pyramid and "
+        "global need storage head_pages",
     )
     head_budget_floor: float = Field(
         0.2, ge=0.0, le=1.0, description="adaptive head_budget: AdaKV's per-head safeguard"
@@ -210,7 +211,7 @@ class EvictionConfig(BaseModel):
             raise ValueError(
                 f"head_budget 'global' ranks the tokens of every layer on one scale, which "
                 f"policy {self.policy!r} does not give; use head_budget 'adaptive' (per layer) "
-                "or policy 'learned'"
+                "or policy 'learned' or 'layer_defensivekv'"
             )
         if self.head_budget == "pyramid" and (
             self.moment_correction or policy.needs_rotary or policy.needs_output_projection
@@ -321,10 +322,10 @@ class EvictionConfig(BaseModel):
             return PyramidAllocation(self.pyramid_beta)
         if self.head_budget == "global":
             # Validation admits global only for a policy that scores every
-            # layer on one scale: the learned one.
+            # layer on one scale (global_scores).
             policy = self.build_policy()
-            assert isinstance(policy, LearnedRetentionPolicy)
-            return GlobalAllocation(floor=policy.min_tokens_per_head)
+            floor = policy.min_tokens_per_head if isinstance(policy, LearnedRetentionPolicy) else 0
+            return GlobalAllocation(floor=floor)
         return UniformAllocation()
 
     def check_block_size(self, block_size: int) -> None:

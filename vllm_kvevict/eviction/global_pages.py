@@ -11,6 +11,8 @@ gate output) sits beside it, one fp32 per head-page slot.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
@@ -73,12 +75,15 @@ def compact_global(
     scale: float,
     observer: EvictionObserver,
     observation: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    parts: list[dict[str, Any]] | None = None,
 ) -> list[list[int]]:
     """Keep the best tokens below ``ev.point`` over every (layer, KV head) of
     the request, in the head-pages of every layer's blocks
     ``[frontier_after, point // bs)``, split by the rule's allocation (one
     global ranking, or PyramidKV's layer budgets). ``observation``: per layer,
-    the observation queries and their positions, for a query-based policy.
+    the observation queries and their positions, for a query-based policy;
+    ``parts``: per layer, the model parts the policy scores with
+    (``output_projection``, ``rotary``).
     Returns each layer's per-head counts."""
     bs, num_heads = cache.block_size, cache.num_heads
     # Gather every layer first: a stream's new pages may be another layer's old ones.
@@ -95,7 +100,7 @@ def compact_global(
         queries, query_positions = (observation[index] if observation else None) or (None, None)
         inputs.append(ScoringInputs(
             tokens.keys, tokens.values, tokens.positions, queries, query_positions, scale,
-            log_beta=log_beta, step=ev.point,
+            log_beta=log_beta, step=ev.point, **(parts[index] if parts else {}),
         ))
         gathered.append((tokens, log_beta))
     kept_blocks = block_row[ev.frontier_after // bs : ev.point // bs]

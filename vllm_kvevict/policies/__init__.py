@@ -7,6 +7,7 @@ from typing import Any
 
 from vllm_kvevict.policies.base import EvictionPolicy, RotaryFrequencies, ScoringInputs
 from vllm_kvevict.policies.criticalkv import CriticalKVPolicy
+from vllm_kvevict.policies.defensivekv import DefensiveKVPolicy, LayerDefensiveKVPolicy
 from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
 from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.keydiff import KeyDiffPolicy
@@ -25,7 +26,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     for cls in (
         StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy,
         ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy, LearnedRetentionPolicy,
-        PyramidKVPolicy,
+        PyramidKVPolicy, DefensiveKVPolicy, LayerDefensiveKVPolicy,
     )
 }
 
@@ -48,11 +49,13 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> EvictionPol
 __all__ = [
     "POLICIES",
     "CriticalKVPolicy",
+    "DefensiveKVPolicy",
     "EvictionPolicy",
     "ExpectedAttentionPolicy",
     "H2OPolicy",
     "KeyDiffPolicy",
     "KnormPolicy",
+    "LayerDefensiveKVPolicy",
     "LearnedRetentionPolicy",
     "MomentKVPolicy",
     "PyramidKVPolicy",

@@ -661,7 +661,7 @@ class ReferenceEvictingDecoder:
             return
         bs, stores = self.block_size, self._layers
         gathered, inputs, lives = [], [], []
-        for store in stores:
+        for index, store in enumerate(stores):
             assert store.keys is not None and store.values is not None and store.positions is not None
             if not self.policy.needs_log_beta:  # no gates: log β unused
                 store.log_beta = torch.zeros(store.positions.shape, dtype=torch.float32)
@@ -672,6 +672,7 @@ class ReferenceEvictingDecoder:
             inputs.append(ScoringInputs(
                 keys=taken[0], values=taken[1], key_positions=taken[2], queries=queries,
                 query_positions=query_positions, scale=self._scale, log_beta=taken[3], step=point,
+                **self._model_parts(self.model.model.layers[index].self_attn),
             ))
             lives.append(live)
             gathered.append(taken)

@@ -217,22 +217,28 @@ class EvictingImpl:
     ) -> ScoringInputsFor:
         """What the policy scores with at ``ev``: the observation queries and
         the model parts it asks for, around the tokens the engine gathers."""
-        policy, name = plan.rule.policy, plan.layer_names[layer_index]
+        policy = plan.rule.policy
         queries = query_positions = None
         if policy.needs_queries:
             queries, query_positions = self._observation(plan, layer_index, ev, query)
-        rotary = projection = None
-        if policy.needs_rotary or policy.needs_output_projection:
-            parts = model_parts(name)  # looked up when the model was loaded
-            rotary, projection = parts.rotary, parts.output_projection
+        parts = self._model_parts(plan, layer_index)
 
         def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:
             return ScoringInputs(
-                keys, values, positions, queries, query_positions, self.scale, evicted,
-                rotary=rotary, output_projection=projection,
+                keys, values, positions, queries, query_positions, self.scale, evicted, **parts,
             )
 
         return inputs
+
+    @staticmethod
+    def _model_parts(plan: EvictionStepPlan, layer_index: int) -> dict[str, Any]:
+        """The model parts the policy scores with in layer ``layer_index``
+        (looked up when the model was loaded)."""
+        policy = plan.rule.policy
+        if not (policy.needs_rotary or policy.needs_output_projection):
+            return {}
+        parts = model_parts(plan.layer_names[layer_index])
+        return {"rotary": parts.rotary, "output_projection": parts.output_projection}
 
     @staticmethod
     def _observation(
@@ -295,6 +301,7 @@ class EvictingImpl:
                 state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
                 plan.frontier_before[i], self.scale, plan.observer,
                 [plan.pooled_queries.get((layer_index, i)) for layer_index in range(state.num_layers)],
+                [self._model_parts(plan, layer_index) for layer_index in range(state.num_layers)],
             )
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)

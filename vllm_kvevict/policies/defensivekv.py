@@ -1,0 +1,227 @@
+"""DefensiveKV and Layer-DefensiveKV (Feng et al., 2026, "Taming the Fragility
+of KV Cache Eviction", ICLR 2026): CriticalKV's importance of a token for the
+attention output, aggregated over the observation window by its worst case
+instead of its mean."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_kvevict.policies.base import (
+    PADDING_POSITION,
+    EvictionPolicy,
+    ScoringInputs,
+    grouped_attention_probs,
+)
+from vllm_kvevict.policies.criticalkv import projected_value_norms
+from vllm_kvevict.top_k import top_k_mask
+
+
+def defensive_aggregation(importance: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """The paper's two-step aggregation (Alg. 1) of ``importance [H, G, W, S]``
+    (each query head ``g`` of KV head ``h`` and each observation query ``w``
+    on each key), over the keys ``prefix [H, S]`` (bool) of each head:
+
+        R̃_i = max_{g, w} I_{g,w,i}        worst-case risk
+        R̄   = mean_i R̃_i                  prior risk, per KV head
+        R_i = max(R̃_i, R̄)                 adaptive prior-risk correction
+
+    Returns ``R [H, S]`` fp32, 0 outside ``prefix``.
+    """
+    worst = importance.float().amax(dim=(1, 2)).masked_fill(~prefix, 0.0)
+    prior = worst.sum(-1, keepdim=True) / prefix.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(prefix, torch.maximum(worst, prior), 0.0)
+
+
+def value_norm_shares(
+    values: torch.Tensor, output_projection: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """``N̂[h, i] = N[h, i] / Σ_h' N[h', i]``, ``[H, S]`` fp32: CriticalKV's
+    ``N = mean over the group's query heads of ‖v_i W_O‖₁``
+    (:func:`~vllm_kvevict.policies.criticalkv.projected_value_norms`) as a
+    share of the sum over the layer's ``H`` KV heads at the same position.
+    Where some heads no longer hold the position (evicted earlier), the sum
+    is ``H`` times the mean over those that do. Only ``tokens [H, S]`` (bool)
+    are computed; the rest are 0."""
+    norms = projected_value_norms(values, output_projection, tokens)
+    unique, index = torch.unique(positions[tokens], return_inverse=True)
+    totals = torch.zeros(unique.numel(), dtype=norms.dtype, device=norms.device)
+    totals.index_add_(0, index, norms[tokens])
+    holders = torch.zeros_like(totals).index_add_(0, index, torch.ones_like(norms[tokens]))
+    sums = (totals * (positions.shape[0] / holders))[index]
+    shares = torch.zeros_like(norms)
+    shares[tokens] = torch.where(sums > 0, norms[tokens] / sums.clamp(min=torch.finfo(sums.dtype).tiny), 0.0)
+    return shares
+
+
+@dataclass
+class DefensiveKVPolicy(EvictionPolicy):
+    """DefensiveKV (Feng et al., 2026, "Taming the Fragility of KV Cache
+    Eviction", ICLR 2026, by CriticalKV's authors): averaging a token's
+    importance over the observation window assumes the queries to come need
+    it as the window did on average, and one query that needs a token the
+    mean let go can break the answer. DefensiveKV keeps CriticalKV's
+    importance, ``I_{j,i} = A_{j,i} ‖v_i W_O‖``, and aggregates it by its
+    worst case: :func:`defensive_aggregation` (Alg. 1).
+
+    Where the paper's text leaves it open or differs, this follows the
+    authors' code (``efficient_defensivekv_press.py``), which produced the
+    published numbers:
+
+    - ``A`` stays per query head and query, average pooled along the keys
+      (``kernel_size``, zero padding counted, each row rescaled to its mass
+      before pooling) before the maximum; the window's own keys are not
+      scored;
+    - the aggregation takes the attention alone and the value factor
+      multiplies its result, as a share of the layer's KV heads at the same
+      position, ``S_i = R_i · N̂_i`` (:func:`value_norm_shares`), without ε;
+    - stage 1 (:meth:`refine_scores`) keeps, per head, the fewest keys by
+      unpooled window attention (the mean over queries and group) holding
+      ``stage_one_mass − window_bias`` of it, the crossing key excluded, at
+      most ``⌊(n − w) b / n − w⌋`` of the ``b`` the head keeps among its
+      ``n``. ``window_bias`` is the code's: the attention the window pays
+      the ``w`` keys just before it, where the name means the window's own.
+      The cap is floored at 0 (budgets below about ``w``), and stage 1
+      never takes the places of the sinks and the recent window;
+    - the window's keys score the layer's highest ``S``.
+
+    ``w`` is ``observation_window`` (32, the paper's) and ``b`` a head's
+    count from the allocation (AdaKV by default), made on ``S`` before stage
+    1 as for CriticalKV: the score is computed before the budget is known,
+    where the authors' code lifts stage 1 to the layer's maximum before its
+    split. The paper compresses once, where every head holds every position;
+    later evictions (decoding, ``per_chunk`` prefill) estimate the value
+    norms of the heads that dropped a position (:func:`value_norm_shares`).
+    fp32 throughout (the authors pool and multiply in bf16, so their ties
+    differ).
+    """
+
+    name = "defensivekv"
+    needs_queries = True
+    needs_output_projection = True
+    scores_ragged_heads = True  # the value shares couple the layer's heads
+    global_scores = True  # N̂ sums to 1 over a position's KV heads in every layer
+    default_prefill_mode = "end_of_prompt"
+    default_head_budget = "adaptive"
+    kernel_size: int = 5
+    stage_one_mass: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"{self.name} kernel_size must be a positive odd number, got {self.kernel_size}"
+            )
+        if not 0.0 <= self.stage_one_mass <= 1.0:
+            raise ValueError(f"{self.name} stage_one_mass must be in [0, 1], got {self.stage_one_mass}")
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """``S = R · N̂`` on the keys older than the window, the layer's
+        maximum ``S`` on the window's keys, 0 on padding, ``[H, S]`` fp32."""
+        assert inputs.output_projection is not None, f"{self.name} needs the output projection"
+        probs, prefix, window = self._window_attention(inputs)
+        if probs.shape[2] == 0:  # no observation query: nothing to rank by
+            return torch.zeros(prefix.shape, device=prefix.device)
+        risk = defensive_aggregation(self._pooled(probs, prefix), prefix)
+        shares = value_norm_shares(inputs.values, inputs.output_projection, inputs.key_positions, prefix)
+        scores = risk * shares
+        highest = scores.max() if bool(prefix.any()) else scores.new_zeros(())
+        return scores.masked_fill(window, float(highest))
+
+    def refine_scores(
+        self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Stage 1 at ``+inf``: each head's mass set within its count (see the
+        class docstring); the rest rank by ``S``."""
+        if "defensivekv.mass" not in inputs.memo:
+            self._window_attention(inputs)
+        mass, threshold = inputs.memo["defensivekv.mass"], inputs.memo["defensivekv.threshold"]
+        window_length = int(inputs.memo["defensivekv.window"])
+        share = torch.nan_to_num(mass / mass.sum(-1, keepdim=True), nan=0.0)
+        order = torch.sort(share, dim=-1, descending=True, stable=True).values
+        crossing = order.cumsum(-1) >= threshold
+        reached = crossing.int().argmax(-1)  # first crossing; 0 when none crosses
+        live = (scores > float("-inf")).sum(-1)
+        cap = ((live - window_length) * counts / live.clamp(min=1) - window_length).long()
+        fixed = scores == float("inf")
+        room = (counts - fixed.sum(-1)).clamp(min=0)
+        first = top_k_mask(share, torch.minimum(reached, cap.clamp(min=0))) & (mass > 0)
+        first &= ~fixed & (scores > float("-inf"))
+        first &= top_k_mask(share.masked_fill(~first, float("-inf")), torch.minimum(room, first.sum(-1)))
+        return scores.masked_fill(first, float("inf"))
+
+    def _window_attention(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The window attention ``[H, G, W, S]``, the keys older than the
+        window and the window's own keys (``[H, S]`` bool each); the stage-1
+        signal goes to ``inputs.memo`` for :meth:`refine_scores`."""
+        assert inputs.query_positions is not None
+        positions = inputs.key_positions
+        probs = grouped_attention_probs(inputs)
+        window_length = probs.shape[2]
+        first_query = int(inputs.query_positions.min()) if window_length else PADDING_POSITION
+        prefix = positions < first_query
+        window = (positions >= first_query) & (positions < PADDING_POSITION)
+        inputs.memo.update(self._stage_one_signal(probs, positions, prefix, first_query))
+        return probs, prefix, window
+
+    def _stage_one_signal(
+        self, probs: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor, first_query: int
+    ) -> dict[str, torch.Tensor]:
+        """Stage 1's signal: the unpooled window attention averaged over the
+        group and the queries, on the keys older than the window ``[H, S]``;
+        the share of it stage 1 must reach (``stage_one_mass − window_bias``);
+        and ``w``."""
+        window_length = probs.shape[2]
+        mass = torch.zeros(positions.shape, device=probs.device)
+        window_bias = torch.zeros((), device=probs.device)
+        if window_length:
+            mass = probs.float().mean(dim=(1, 2)).masked_fill(~prefix, 0.0)
+            before = (positions >= first_query - window_length) & prefix
+            window_bias = (probs.float() * before[:, None, None, :]).sum(-1).mean()
+        return {
+            "defensivekv.mass": mass,
+            "defensivekv.threshold": self.stage_one_mass - window_bias,
+            "defensivekv.window": torch.tensor(window_length),
+        }
+
+    def _pooled(self, probs: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """Each (head, group, query) row of ``probs`` over ``prefix``, average
+        pooled along the keys (zero padding counted) and rescaled to the
+        row's mass before pooling."""
+        rows = (probs.float() * prefix[:, None, None, :]).flatten(0, 2)  # [H * G * W, S]
+        if self.kernel_size == 1 or rows.numel() == 0:
+            return rows.view(probs.shape)
+        pad = self.kernel_size // 2
+        pooled = F.avg_pool1d(
+            rows[:, None, :], self.kernel_size, stride=1, padding=pad, count_include_pad=True
+        )[:, 0]
+        pooled = pooled * prefix.repeat_interleave(probs.shape[1] * probs.shape[2], dim=0)
+        before, after = rows.sum(-1, keepdim=True), pooled.sum(-1, keepdim=True)
+        pooled = torch.where(after > 0, pooled * before / after.clamp(min=torch.finfo(after.dtype).tiny), 0.0)
+        return pooled.view(probs.shape)
+
+
+@dataclass
+class LayerDefensiveKVPolicy(DefensiveKVPolicy):
+    """Layer-DefensiveKV (Feng et al., 2026, "Taming the Fragility of KV Cache
+    Eviction", Alg. 2, lines 11-12): DefensiveKV's scores ranked over every
+    layer and KV head of the request at once (``head_budget: global``: the
+    best ``budget × layers × KV heads``), so layers, not only heads, keep
+    what their scores claim.
+
+    The value factor is DefensiveKV's share of the layer's KV heads at each
+    position, as in the authors' code for both methods (it sums to 1 at
+    every position of every layer, which puts the layers on one scale),
+    rather than a per-layer normalisation the text can be read to add. The
+    window's keys carry their own layer's highest score into the ranking, as
+    in that code; where that code can rank a layer's whole window away, the
+    recent window and the sinks stay here (``recent_window``,
+    ``sink_tokens``: the paper's protocol never evicts the question or the
+    answer). Every layer's cache is held until the last layer has run, as
+    in the authors' code.
+    """
+
+    name = "layer_defensivekv"
+    default_head_budget = "global"
