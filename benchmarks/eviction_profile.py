@@ -46,6 +46,7 @@ import torch
 
 from vllm_kvevict import cpu_ops
 from vllm_kvevict.config import build_config, parse_config_source
+from vllm_kvevict.eviction.allocation import round_on_host
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.global_pages import compact_global
 from vllm_kvevict.eviction.head_pages import compact_head_pages
@@ -141,6 +142,7 @@ class PrefillRun:
         # Likewise each row's top k, with per-head page tables (slots storage
         # selects in torch: its server does not load the extension).
         use_native_selection(cpu_ops.load_cpu_ops() if config.uses_head_pages else None)
+        round_on_host(True)  # the CPU worker's page rounding
         self.log_beta_pages = torch.zeros(self.pool.shape[0] * shape.kv_heads, bs)
         h = shape.kv_heads
         self.rows = [

@@ -9,7 +9,7 @@ from helpers import layout_param
 
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
-from vllm_kvevict.eviction.head_pages import assign_pages, block_head_pages, gather_live, live_addresses
+from vllm_kvevict.eviction.head_pages import block_head_pages, gather_live, live_addresses, page_tables
 from vllm_kvevict.policies.base import PADDING_POSITION
 from vllm_kvevict.plugin.backends.cpu.head_pages import HeadPagedCache
 from vllm_kvevict.plugin.backends.cpu.page_layout import probe_page_layout
@@ -54,8 +54,9 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
     free = block_head_pages(block_row[:2], heads)
     assert free.tolist() == [int(b) * heads + s for b in block_row[:2] for s in range(heads)]
     counts = [2 * bs, bs + 5, 0]
-    pages = assign_pages(free, counts, bs)
-    assert [p.numel() for p in pages] == [2, 2, 0]
+    table = page_tables(free, torch.tensor(counts), bs, 8)
+    assert table.tolist() == [[*free[:2].tolist(), *[0] * 6], [*free[2:4].tolist(), *[0] * 6], [0] * 8]
+    pages = [table[h, : -(-counts[h] // bs)] for h in range(heads)]
     written = [(std_k[h, : counts[h]].clone(), std_v[h, : counts[h]].clone()) for h in range(heads)]
     for h in range(heads):
         cache.write_pages(pages[h], *written[h])
@@ -64,9 +65,6 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
         assert torch.equal(k, written[h][0]) and torch.equal(v, written[h][1])
 
     # live tokens: compacted then the standard region [90, 120), padded
-    table = torch.zeros(heads, 8, dtype=torch.int32)
-    for h in range(heads):
-        table[h, : pages[h].numel()] = pages[h]
     positions = torch.arange(heads * 100).view(heads, 100)
     live = gather_live(cache, table, torch.tensor(counts), positions, block_row, 90, 120)
     for h in range(heads):
@@ -81,9 +79,11 @@ def test_compaction_round_trip_and_live_tokens(isa, seed):
         assert torch.equal(live.keys[h, counts[h] : n], ref)
 
 
-def test_assign_pages_refuses_more_than_held():
-    with pytest.raises(RuntimeError, match="needs 3 head-pages"):
-        assign_pages(torch.arange(2, dtype=torch.int32), [16, 17], 16)
+def test_page_tables_hand_out_the_free_pages_in_stream_order():
+    free = torch.tensor([7, 3, 11, 5, 2], dtype=torch.int32)
+    table = page_tables(free, torch.tensor([17, 0, 16, 1]), 16, 3)
+    assert table.tolist() == [[7, 3, 0], [0, 0, 0], [11, 0, 0], [5, 0, 0]]
+    assert table.dtype == torch.int32
 
 
 @pytest.mark.parametrize("isa", ["vec", layout_param("amx", isa="amx")])

@@ -117,9 +117,53 @@ def test_round_to_pages(seed):
         assert int(pages.sum()) == total_pages or bool((kept == live).any())
 
 
-def test_round_to_pages_rejects_impossible_minimum():
+@pytest.mark.parametrize("seed", range(4))
+def test_round_to_pages_on_the_host_is_the_same(seed):
+    """The CPU worker's rounding on Python integers (:func:`round_on_host`)
+    and the tensor ops a device rounds with give the same pages, minimums
+    raised, pages taken back and remainders handed out alike, and the same
+    minimums where they cannot fit."""
+    from vllm_kvevict.eviction import allocation
+
+    gen = torch.Generator().manual_seed(seed)
+    was = allocation._host_rounding
+    for _ in range(300):
+        heads = int(torch.randint(1, 12, (1,), generator=gen))
+        page = int(torch.tensor([1, 4, 16])[torch.randint(0, 3, (1,), generator=gen)])
+        total_pages = int(torch.randint(0, 5 * heads, (1,), generator=gen))
+        live = torch.randint(0, (total_pages + 2) * page + 1, (heads,), generator=gen)
+        counts = (torch.rand(heads, generator=gen) * (live + 1)).long()
+        min_tokens = (torch.rand(heads, generator=gen) * (live + 1)).long().clamp(max=live)
+        if bool(torch.rand(1, generator=gen) < 0.5):
+            min_tokens = min_tokens.clamp(max=2 * page)
+        allocation.round_on_host(False)
+        try:
+            on_device = round_to_pages(counts, live, min_tokens, total_pages, page)
+            allocation.round_on_host(True)
+            on_host = round_to_pages(counts, live, min_tokens, total_pages, page)
+        finally:
+            allocation.round_on_host(was)
+        assert torch.equal(on_host, on_device), (counts, live, min_tokens, total_pages, page)
+
+
+def test_an_impossible_minimum_is_refused():
+    """Minimums that need more pages than there are: every head gets its
+    minimum, the pages exceed the total (nothing is read back to refuse
+    there), and the selection refuses them."""
+    from vllm_kvevict.eviction.select import KeepRule, choose_kept
+    from vllm_kvevict.policies import ScoringInputs, make_policy
+
+    kept = round_to_pages(torch.tensor([8, 8]), torch.tensor([16, 16]), torch.tensor([9, 9]), 2, 8)
+    assert kept.tolist() == [16, 16]
+    gen = torch.Generator().manual_seed(0)
+    heads, width, dim = 2, 40, 8
+    inputs = ScoringInputs(
+        torch.randn(heads, width, dim, generator=gen), torch.randn(heads, width, dim, generator=gen),
+        torch.arange(width).expand(heads, -1), None, None, dim**-0.5,
+    )
+    rule = KeepRule(make_policy("knorm"), UniformAllocation(), 4, 8)  # 12 tokens: 2 pages a head
     with pytest.raises(ValueError, match="more than"):
-        round_to_pages(torch.tensor([8, 8]), torch.tensor([16, 16]), torch.tensor([9, 9]), 2, 8)
+        choose_kept(rule, [inputs], [None], width, 2, 8)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -604,16 +604,20 @@ def gather_heads(
     end: int,
     key_offsets: torch.Tensor,
     value_offsets: torch.Tensor,
+    longest: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every KV head's live tokens of one request, ``(keys, values)`` ``[H,
     max(head_lens) + end - start, D]`` in the cache's dtype: head ``h``'s
     ``head_lens[h]`` compacted tokens (its pages ``head_pages[h]``, logical
     order), then its standard slots ``[start, end)`` of ``block_row`` (vLLM's
-    page layout, read through ``key_offsets`` / ``value_offsets``), then zeros.
+    page layout, read through ``key_offsets`` / ``value_offsets``), then zeros
+    (``longest``: ``max(head_lens)``, where the caller knows it).
     One call of the extension ``module`` (:func:`load_cpu_ops`)."""
     num_heads, head_dim = kv_cache.shape[1], kv_cache.shape[3]
     lens = head_lens.to(torch.int64)
-    width = (int(lens.max()) if lens.numel() else 0) + end - start
+    if longest is None:
+        longest = int(lens.max()) if lens.numel() else 0
+    width = longest + end - start
     keys = kv_cache.new_empty(num_heads, width, head_dim)
     values = kv_cache.new_empty(num_heads, width, head_dim)
     module.gather_heads(

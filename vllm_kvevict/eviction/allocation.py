@@ -102,26 +102,21 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
     """
     streams, width = scores.shape
     live = scores > float("-inf")
-    total_live = int(live.sum())
-    if budget >= total_live:
-        return live.clone()
     if floor * streams > budget:
         raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
     flat = scores.reshape(1, -1)
-    # Ties to the earlier entry, as every other selection.
+    # Ties to the earlier entry, as every other selection. Padding ranks last,
+    # so a budget above the live entries keeps them all.
     keep = top_k_mask(flat, budget - floor * streams).view(streams, width)
     if floor == 0:
         return keep & live
     counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
-    keep = top_k_mask(scores, counts) & live
+    keep = top_k_mask(scores, counts, at_most=min(budget, width)) & live
     # The global pass left budget - sum(counts) unused where a stream had fewer
     # live entries than count + floor; hand it out again globally.
-    spare = budget - int(keep.sum())
-    if spare > 0:
-        rest = torch.where(keep | ~live, float("-inf"), scores).reshape(1, -1)
-        extra = min(spare, int((rest > float("-inf")).sum()))
-        keep |= top_k_mask(rest, extra).view(streams, width)
-    return keep
+    rest = torch.where(keep | ~live, float("-inf"), scores).reshape(1, -1)
+    extra = torch.minimum(budget - keep.sum(), (rest > float("-inf")).sum()).clamp(min=0)
+    return keep | top_k_mask(rest, extra.view(1), at_most=budget).view(streams, width)
 
 
 @dataclass
@@ -144,13 +139,14 @@ class GlobalAllocation(HeadAllocation):
         return global_top_b(scores, total, floor).sum(-1)
 
 
-def pyramid_layer_budgets(mean_tokens: float, num_layers: int, beta: float) -> list[float]:
+def pyramid_layer_budgets(mean_tokens: float | torch.Tensor, num_layers: int, beta: float) -> list:
     """PyramidKV's per-layer budgets (Cai et al., 2024, "PyramidKV: Dynamic KV
     Cache Compression based on Pyramidal Information Funneling", §3.2, with
     the authors' and kvpress's arithmetic): an arithmetic sequence falling
     with depth from ``2m - m/β`` at the first layer to ``m/β`` at the last,
     where ``m`` is the mean per-layer budget, so the layers hold ``m`` on
-    average: the uniform budget's memory."""
+    average: the uniform budget's memory. ``m`` a float64 tensor: the same
+    arithmetic on the device, one 0-d tensor per layer."""
     if beta < 1:
         raise ValueError(f"pyramid_beta must be at least 1, got {beta}")
     low = mean_tokens / beta
@@ -180,8 +176,9 @@ class PyramidAllocation(HeadAllocation):
             raise ValueError(f"{streams} streams do not split into {num_layers} layers")
         live = (scores > float("-inf")).sum(-1)
         protected = (scores == float("inf")).sum(-1).float()
-        free = max(total / streams - float(protected.mean()), 0.0)
-        budgets = torch.tensor(pyramid_layer_budgets(free, num_layers, self.beta), device=scores.device)
+        # In float64 on the device, as on the host in Python floats.
+        free = (total / streams - protected.mean().double()).clamp(min=0.0)
+        budgets = torch.stack(pyramid_layer_budgets(free, num_layers, self.beta)).float()
         per_stream = budgets.repeat_interleave(streams // num_layers) + protected
         return torch.minimum(per_stream.floor().long(), live)
 
@@ -200,6 +197,19 @@ def stack_streams(scores: list[torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
+# The CPU worker rounds on the host (set by its serving glue): there a read
+# of the counts costs nothing, and a handful of Python integers take a tenth
+# of the time of the tensor ops a device rounds with to avoid reading them.
+_host_rounding = False
+
+
+def round_on_host(enabled: bool) -> None:
+    """Round CPU counts (:func:`round_to_pages`) on Python integers, or in
+    tensor ops again (``False``); the same pages either way."""
+    global _host_rounding
+    _host_rounding = enabled
+
+
 def round_to_pages(
     counts: torch.Tensor,
     live: torch.Tensor,
@@ -213,22 +223,54 @@ def round_to_pages(
     ``min_tokens`` (what it must keep); the pages left go to the heads with
     the largest remainders (largest-remainder rounding). A head keeps
     ``min(pages * page_size, live)`` tokens.
+
+    Tensor ops on the heads' counts, nothing read back (on the CPU worker,
+    the same on Python integers: :func:`round_on_host`): where the minimums
+    alone need more than ``total_pages`` pages, every head gets its minimum
+    and the pages exceed ``total_pages``, which the caller checks
+    (:func:`~vllm_kvevict.eviction.select.choose_kept` does, with the
+    selection's one host read).
     """
-    # A few numbers per head: plain integers, not a dozen tensor ops a layer.
+    if _host_rounding and counts.device.type == "cpu":
+        return _round_to_pages_on_host(counts, live, min_tokens, total_pages, page_size)
+    need = (min_tokens + (page_size - 1)) // page_size
+    pages = torch.minimum(torch.maximum(counts // page_size, need), (live + (page_size - 1)) // page_size)
+    # Enforcing the minimum can overshoot: the pages above the minimums come
+    # back one at a time from the head with the most (the first such head on
+    # a tie). In closed form: the heads above some level t end at t + 1 and
+    # the first of them at t, where t = floor(L), L the level at which the
+    # pages above it are the excess (as in a projection onto a simplex).
+    above = pages - need
+    excess = pages.sum() - total_pages
+    ordered = above.sort(descending=True).values
+    room = ordered.cumsum(0) - excess
+    heads = (torch.arange(1, above.numel() + 1, device=above.device) * ordered > room).sum(0, keepdim=True)
+    heads = heads.clamp(min=1)
+    level = room.gather(0, heads - 1) // heads  # above every head when nothing is over
+    over = above > level
+    lowered = torch.where(over, level + 1, above)
+    first = over & (over.cumsum(0) <= excess - (above - lowered).sum())
+    pages = need + (lowered - first.long()).clamp(min=0)  # never below a minimum
+    # Largest remainders first, the earlier head on a tie (a stable sort).
+    remainder = (counts - pages * page_size).clamp(min=0)
+    rank = remainder.sort(descending=True, stable=True).indices.argsort()
+    pages = pages + ((rank < total_pages - pages.sum()) & (remainder > 0)).long()
+    return torch.minimum(pages * page_size, live)
+
+
+def _round_to_pages_on_host(
+    counts: torch.Tensor, live: torch.Tensor, min_tokens: torch.Tensor, total_pages: int, page_size: int
+) -> torch.Tensor:
+    """:func:`round_to_pages` on Python integers, step by step."""
     wanted, available, least = counts.tolist(), live.tolist(), min_tokens.tolist()
     need = [-(-m // page_size) for m in least]
-    if sum(need) > total_pages:
-        raise ValueError(
-            f"heads must keep {sum(least)} tokens, more than {total_pages} "
-            f"pages of {page_size} hold"
-        )
     pages = [
         min(max(c // page_size, n), -(-a // page_size)) for c, n, a in zip(wanted, need, available)
     ]
     # Enforcing the minimum can overshoot: take back from the heads with the
     # most pages above their minimum (the first such head on a tie).
     used = sum(pages)
-    while used > total_pages:
+    while used > total_pages and used > sum(need):
         above = [p - n for p, n in zip(pages, need)]
         pages[above.index(max(above))] -= 1
         used -= 1
@@ -238,7 +280,7 @@ def round_to_pages(
             break
         pages[head] += 1
         used += 1
-    kept = torch.tensor(pages, dtype=counts.dtype, device=counts.device) * page_size
+    kept = torch.tensor(pages, dtype=counts.dtype) * page_size
     return torch.minimum(kept, live)
 
 

@@ -14,7 +14,8 @@ pool of blocks; block ``b`` holds one *head-page* per KV-head slot ``s``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -76,18 +77,21 @@ class CompactsInPlace(Protocol):
 
 
 @runtime_checkable
-class CopiesHeads(Protocol):
-    """A cache that reads and writes every KV head of a compaction in one call
-    (the C++ extension on CPU) instead of a read and a write per head through
-    :meth:`CacheOps.read_pages`, :meth:`CacheOps.read_slots` and
-    :meth:`CacheOps.write_pages`; the same bytes either way."""
+class ReadsTokens(Protocol):
+    """A cache that reads any tokens by flat address (``head_page * bs +
+    offset``) in one gather, on its device (the Triton path's cache)."""
 
-    def read_heads(
-        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head ``h``'s first ``lens[h]`` tokens of its pages ``pages[h]``, then
-        its slots ``[start, end)``, then zeros: ``(keys, values)``, each
-        ``[H, max(lens) + end - start, D]``."""
+    def read_tokens(self, addresses: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens at ``addresses [H, S]``, zeros where ``live [H, S]`` is
+        false: ``(keys, values)``, each ``[H, S, D]``."""
+
+
+@runtime_checkable
+class WritesHeads(Protocol):
+    """A cache that writes every KV head's kept tokens into its pages in one
+    call (the C++ extension on CPU, torch indexing on the Triton path)
+    instead of a write per head through :meth:`CacheOps.write_pages`; the
+    same bytes either way."""
 
     def write_heads(
         self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor,
@@ -95,7 +99,35 @@ class CopiesHeads(Protocol):
     ) -> None:
         """Head ``h``'s rows ``kept[h, :counts[h]]`` of ``keys, values [H, S, D]``,
         in order, into its pages ``page_table[h]``, as :meth:`CacheOps.write_pages`
-        writes them."""
+        writes them (the rest of the last page zeroed)."""
+
+
+@runtime_checkable
+class CopiesHeads(WritesHeads, Protocol):
+    """A cache that also reads every KV head of a compaction in one call (the
+    C++ extension on CPU) instead of a read per head through
+    :meth:`CacheOps.read_pages` and :meth:`CacheOps.read_slots`."""
+
+    def read_heads(
+        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int,
+        longest: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head ``h``'s first ``lens[h]`` tokens of its pages ``pages[h]``, then
+        its slots ``[start, end)``, then zeros: ``(keys, values)``, each
+        ``[H, max(lens) + end - start, D]`` (``longest``: ``max(lens)``, when
+        the caller knows it)."""
+
+
+def implements(cache: object, protocol: type) -> bool:
+    """``isinstance(cache, protocol)`` for the protocols above, answered once
+    per cache class (a runtime protocol check walks the protocol's members
+    each time: tens of µs, several times per eviction)."""
+    return _implements(type(cache), protocol)
+
+
+@functools.cache
+def _implements(cls: type, protocol: type) -> bool:
+    return issubclass(cls, protocol)
 
 
 @dataclass
@@ -103,12 +135,39 @@ class Released:
     """Memory one eviction stopped using: head-pages of kept blocks that no
     head took, the slots below the point in the block it falls in, and the
     blocks the scheduler frees once the step is done (``layer``: the layer
-    whose copy of them; ``None``, every layer's)."""
+    whose copy of them; ``None``, every layer's).
 
-    unused_pages: torch.Tensor | None = None
-    partial_blocks: list[tuple[int, int]] = field(default_factory=list)  # (block, slots below the point)
+    Built without reading the device: the pages no head took follow from
+    ``free_pages`` (the pages the eviction could fill, handed out in order)
+    and ``counts`` (each stream's kept tokens, in ``page_size`` pages), the
+    block the point falls in is ``point_block`` (a one-element view of the
+    block table, in the layers ``block_offsets`` apart); an observer that
+    asks (the isolation check) reads them.
+    """
+
     freed_blocks: torch.Tensor | None = None
     layer: int | None = None
+    free_pages: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    page_size: int = 1
+    point_block: torch.Tensor | None = None
+    point_slots: int = 0  # slots below the point in its block
+    block_offsets: tuple[int, ...] = (0,)
+
+    @property
+    def unused_pages(self) -> torch.Tensor | None:
+        if self.free_pages is None or self.counts is None:
+            return self.free_pages
+        used = int(((self.counts + (self.page_size - 1)) // self.page_size).sum())
+        return self.free_pages[used:]
+
+    @property
+    def partial_blocks(self) -> list[tuple[int, int]]:
+        """(block, slots below the point) per layer, where the point is inside a block."""
+        if self.point_block is None or not self.point_slots:
+            return []
+        block = int(self.point_block[0])
+        return [(block + offset, self.point_slots) for offset in self.block_offsets]
 
 
 class EvictionObserver:

@@ -72,6 +72,17 @@ ScoringInputsFor = Callable[
 adds the observation queries and the model parts the policy reads."""
 
 
+@dataclass
+class LayerEviction:
+    """One request's eviction point in one layer: what the engine moves for
+    it (with ``slots`` storage ``rows`` holds the positions alone)."""
+
+    ev: EvictionPoint
+    rows: StreamRows
+    block_row: torch.Tensor  # the request's row of the block table
+    scoring_inputs: ScoringInputsFor
+
+
 def observation_queries(
     ring: torch.Tensor, query: torch.Tensor, ev: EvictionPoint
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,15 +90,14 @@ def observation_queries(
 
     Positions processed in this step come from its ``query [T, Hq, D]``;
     earlier ones from ``ring [W, Hq, D]`` (position ``p`` at ``p % W``), which
-    the layer has not updated yet this step.
+    the layer has not updated yet this step. Which is which follows from the
+    point alone, so nothing is read back from the device.
     """
     window = ring.shape[0]
-    positions = torch.arange(max(0, ev.point - window), ev.point, device=query.device)
-    from_ring = positions < ev.tokens_before
-    gathered = torch.empty(
-        (positions.numel(), query.shape[1], query.shape[2]), dtype=query.dtype, device=query.device
-    )
-    gathered[from_ring] = ring[positions[from_ring] % window].to(query.dtype)
-    fresh = ev.query_start + positions[~from_ring] - ev.tokens_before
-    gathered[~from_ring] = query[fresh]
+    first = max(0, ev.point - window)
+    fresh = min(max(ev.tokens_before, first), ev.point)  # the first position of this step's
+    positions = torch.arange(first, ev.point, device=query.device)
+    from_ring = ring.index_select(0, positions[: fresh - first] % window).to(query.dtype)
+    start = ev.query_start + fresh - ev.tokens_before
+    gathered = torch.cat([from_ring, query[start : start + ev.point - fresh]])
     return gathered.transpose(0, 1), positions

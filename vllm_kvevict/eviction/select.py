@@ -102,22 +102,175 @@ def choose_kept(
     (StreamingLLM's choice, which needs nothing but positions), in the same
     number of pages, so the cache layout and the blocks freed are those the
     scheduler planned. Each cause is logged once and reported to
-    ``rule.on_fallback``.
+    ``rule.on_fallback``. The serving engine chooses for every request of a
+    step at once, with :func:`choose_kept_many`.
     """
-    try:
-        scores = [_finite(score_heads(rule.policy, inputs, mask)) for inputs, mask in zip(layers, live)]
-        return _select(rule, layers, live, point, total_pages, page_size, scores, refine=True)
-    except Exception as exc:  # a policy's failure must not end the engine
-        reason = NON_FINITE if isinstance(exc, NonFiniteScores) else type(exc).__name__
-        _report_fallback(rule, reason, exc)
-    recency = [inputs.key_positions.float().expand_as(inputs.keys[..., 0]) for inputs in layers]
-    return _select(rule, layers, live, point, total_pages, page_size, recency, refine=False)
+    counts, kept = choose_kept_many(rule, [Selection(layers, live, point, total_pages, page_size)])[0]
+    return counts, kept[:, : max(int(counts.max()), 0) if counts.numel() else 0]
 
 
-def score_heads(policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tensor | None) -> torch.Tensor:
+@dataclass
+class Selection:
+    """One request's eviction point, as :func:`choose_kept_many` takes it:
+    ``layers``, ``live``, ``point``, ``total_pages`` and ``page_size`` as
+    :func:`choose_kept` takes them, and optionally ``lengths``: per layer,
+    each head's live tokens (``live``'s row sums) as the host knows them."""
+
+    layers: Sequence[ScoringInputs]
+    live: Sequence[torch.Tensor | None]
+    point: int
+    total_pages: int
+    page_size: int
+    lengths: Sequence[Sequence[int] | None] | None = None
+
+    @property
+    def width(self) -> int:
+        """The host's bound on any stream's kept tokens: the widest layer's
+        tokens, at most every page's."""
+        return min(max(inputs.keys.shape[1] for inputs in self.layers), self.total_pages * self.page_size)
+
+
+def choose_kept_many(
+    rule: KeepRule, selections: Sequence[Selection]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`choose_kept` for several requests' eviction points at once.
+
+    Nothing in a selection reads the device, except one read for all of
+    them after their scores, allocations and refinements: whether a policy
+    scored NaN, and how many pages the heads' counts fill (more than
+    ``total_pages`` when the tokens the heads must keep do not fit). A
+    selection that falls back (or that raised on the host) is chosen again
+    from its tokens' positions, with one more read for those alone.
+
+    Returns each selection's ``counts [L * H]`` and ``kept [L * H, width]``
+    (:attr:`Selection.width`, at least ``max(counts)``), ``-1`` padded.
+    """
+    policy = rule.policy
+    refines = type(policy).refine_scores is not EvictionPolicy.refine_scores
+    failures: dict[int, BaseException] = {}
+    ranked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # Raised on the host by the allocation or the refinement: what a selection
+    # falls back for once its scores are known to be numbers.
+    raised: dict[int, tuple[BaseException | None, BaseException | None]] = {}
+    flags: list[list[torch.Tensor]] = []  # per scored selection: what it reads back
+    for i, selection in enumerate(selections):
+        try:
+            lengths = selection.lengths or [None] * len(selection.layers)
+            raw = [
+                score_heads(policy, inputs, mask, heads)
+                for inputs, mask, heads in zip(selection.layers, selection.live, lengths)
+            ]
+        except Exception as exc:  # a policy's failure must not end the engine
+            failures[i] = exc
+            continue
+        checks = [_nan_count(raw)]
+        allocation_error = refine_error = None
+        try:
+            counts, scores = _allocate(rule, selection, raw)
+        except Exception as exc:
+            allocation_error = exc
+        else:
+            checks.append(pages_used(counts, selection.page_size))
+            if refines:
+                try:
+                    scores = _refine(rule, selection, scores, counts)
+                    checks.append(_nan_count(scores))
+                except Exception as exc:
+                    refine_error = exc
+            if refine_error is None:
+                ranked[i] = counts, _streams(scores)
+        raised[i] = allocation_error, refine_error
+        flags.append(checks)
+    # The one host read: per selection, NaN scores, pages used, NaN refined
+    # (those it got to), 0 for the others.
+    read = iter(torch.stack([check for checks in flags for check in checks]).tolist() if flags else [])
+    for i, checks in zip(raised, flags):
+        nan_scored, used, nan_refined = [next(read) for _ in checks] + [0] * (3 - len(checks))
+        allocation_error, refine_error = raised[i]
+        causes = (  # in the order the selection meets them
+            NonFiniteScores("a score is NaN") if nan_scored else None,
+            allocation_error,
+            _too_many_pages(used, selections[i]) if used > selections[i].total_pages else None,
+            refine_error,
+            NonFiniteScores("a score is NaN") if nan_refined else None,
+        )
+        cause = next((cause for cause in causes if cause is not None), None)
+        if cause is not None:
+            failures[i] = cause
+    for i, exc in sorted(failures.items()):
+        _report_fallback(rule, NON_FINITE if isinstance(exc, NonFiniteScores) else type(exc).__name__, exc)
+        selection = selections[i]
+        recency = [inputs.key_positions.float().expand_as(inputs.keys[..., 0]) for inputs in selection.layers]
+        counts, scores = _allocate(rule, selection, recency)
+        ranked[i] = counts, _streams(scores)
+    if failures:  # the fallbacks' pages: one more read, where a policy failed
+        fallbacks = sorted(failures)
+        used_pages = torch.stack([pages_used(ranked[i][0], selections[i].page_size) for i in fallbacks])
+        for i, used in zip(fallbacks, used_pages.tolist()):
+            if used > selections[i].total_pages:
+                raise _too_many_pages(used, selections[i])
+    chosen = []
+    for i, selection in enumerate(selections):
+        counts, scores = ranked[i]
+        chosen.append((counts, select_top(scores, counts, width=selection.width)))
+    return chosen
+
+
+def pages_used(counts: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pages the streams' ``counts`` fill, a 0-d tensor."""
+    return ((counts + (page_size - 1)) // page_size).sum()
+
+
+def _too_many_pages(used: int, selection: Selection) -> ValueError:
+    return ValueError(
+        f"the tokens the heads must keep (sinks, recent window, the allocation's floor) fill "
+        f"{used} pages of {selection.page_size}, more than the {selection.total_pages} the eviction keeps"
+    )
+
+
+def _nan_count(scores: list[torch.Tensor]) -> torch.Tensor:
+    counts = [score.isnan().sum() for score in scores]
+    return counts[0] if len(counts) == 1 else torch.stack(counts).sum()
+
+
+def _streams(scores: list[torch.Tensor]) -> torch.Tensor:
+    return scores[0] if len(scores) == 1 else stack_streams(scores)
+
+
+def _allocate(
+    rule: KeepRule, selection: Selection, raw_scores: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each stream's count and the masked scores, per layer."""
+    policy = rule.policy
+    scores = [
+        policy.mask_scores(raw, inputs, rule.sink_tokens, rule.recent_window, selection.point, mask)
+        for raw, inputs, mask in zip(raw_scores, selection.layers, selection.live)
+    ]
+    counts = allocate_head_tokens(
+        rule.allocation, _streams(scores), selection.total_pages, selection.page_size, len(scores)
+    )
+    return counts, scores
+
+
+def _refine(
+    rule: KeepRule, selection: Selection, scores: list[torch.Tensor], counts: torch.Tensor
+) -> list[torch.Tensor]:
+    """The policy's second look at each layer's scores, the counts fixed."""
+    per_layer = counts.split([score.shape[0] for score in scores])
+    return [
+        rule.policy.refine_scores(inputs, score, layer_counts)
+        for inputs, score, layer_counts in zip(selection.layers, scores, per_layer)
+    ]
+
+
+def score_heads(
+    policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tensor | None,
+    lengths: Sequence[int] | None = None,
+) -> torch.Tensor:
     """The policy's fp32 scores ``[H, S]`` of one layer. Where heads hold
     different numbers of live tokens (``live``: each row's real tokens
-    first, then padding) and the policy attends with the observation
+    first, then padding; ``lengths``: their numbers, when the host knows
+    them, else read back) and the policy attends with the observation
     queries, each head is scored over its own tokens alone (padding scores
     0, and :meth:`~EvictionPolicy.mask_scores` drops it).
 
@@ -131,7 +284,8 @@ def score_heads(policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tenso
     with ``scores_ragged_heads`` skip it themselves.
     """
     if policy.needs_queries and not policy.scores_ragged_heads and live is not None:
-        lengths = live.sum(-1).tolist()
+        if lengths is None:
+            lengths = live.sum(-1).tolist()
         if min(lengths, default=0) != max(lengths, default=0):
             scores = torch.zeros(live.shape, dtype=torch.float32, device=live.device)
             for h, length in enumerate(lengths):
@@ -139,40 +293,6 @@ def score_heads(policy: EvictionPolicy, inputs: ScoringInputs, live: torch.Tenso
                     scores[h, :length] = policy.score(inputs.head(h, length))[0].float()
             return scores
     return policy.score(inputs).float()
-
-
-def _select(
-    rule: KeepRule,
-    layers: Sequence[ScoringInputs],
-    live: Sequence[torch.Tensor | None],
-    point: int,
-    total_pages: int,
-    page_size: int,
-    raw_scores: list[torch.Tensor],
-    refine: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    policy = rule.policy
-    scores = [
-        policy.mask_scores(raw, inputs, rule.sink_tokens, rule.recent_window, point, mask)
-        for raw, inputs, mask in zip(raw_scores, layers, live)
-    ]
-    stacked = scores[0] if len(scores) == 1 else stack_streams(scores)
-    counts = allocate_head_tokens(rule.allocation, stacked, total_pages, page_size, len(scores))
-    if refine:
-        per_layer = counts.split([score.shape[0] for score in scores])
-        scores = [
-            _finite(policy.refine_scores(inputs, score, layer_counts))
-            for inputs, score, layer_counts in zip(layers, scores, per_layer)
-        ]
-    ranked = scores[0] if len(scores) == 1 else stack_streams(scores)
-    return counts, select_top(ranked, counts)
-
-
-def _finite(scores: torch.Tensor) -> torch.Tensor:
-    """``scores``, or :class:`NonFiniteScores` when one is NaN."""
-    if bool(scores.isnan().any()):
-        raise NonFiniteScores("a score is NaN")
-    return scores
 
 
 _reported: set[tuple[str, str]] = set()
@@ -186,7 +306,8 @@ def _report_fallback(rule: KeepRule, reason: str, exc: BaseException) -> None:
             "kvevict: policy %r could not score an eviction (%s: %s); that (request, layer) "
             "kept its sink and most recent tokens instead, and so will others failing the same "
             "way (counted in kvevict_eviction_fallbacks_total{reason=%r}, logged once)",
-            rule.policy.name, type(exc).__name__, exc, reason, exc_info=not isinstance(exc, NonFiniteScores),
+            rule.policy.name, type(exc).__name__, exc, reason,
+            exc_info=None if isinstance(exc, NonFiniteScores) else exc,
         )
     if rule.on_fallback is not None:
         rule.on_fallback(reason)

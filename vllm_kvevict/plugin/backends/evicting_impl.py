@@ -27,10 +27,12 @@ import torch
 from vllm.v1.attention.backend import AttentionLayer
 
 from vllm_kvevict.eviction.cache_ops import CacheOps
-from vllm_kvevict.eviction.global_pages import compact_global
-from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages
-from vllm_kvevict.eviction.point import EvictionPoint, ScoringInputsFor, observation_queries
-from vllm_kvevict.eviction.slots import evict_slots
+from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
+from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages_many
+from vllm_kvevict.eviction.point import (
+    EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries,
+)
+from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.plugin.worker.gate_capture import current_capture
 from vllm_kvevict.plugin.worker.layer_neighbours import model_parts
@@ -175,29 +177,36 @@ class EvictingImpl:
         else:
             kernels.attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         # The eviction engine's calls alone are timed: the attention of the
-        # tokens after a point is the step's own work, evicting or not.
-        for ev in plan.evictions:
+        # tokens after a point is the step's own work, evicting or not. Each
+        # call takes every request's k-th point of the step (a wave).
+        for wave_index, wave in enumerate(plan.waves if plan.storage != "global" else []):
+            if plan.storage == "head_pages":
+                wave = [ev for ev in wave if ev.compacts]
+                if not wave:
+                    continue
             started = time.perf_counter()
+            evictions = [
+                LayerEviction(
+                    ev,
+                    state.stream_rows(layer_index, ev.state_row) if plan.storage == "head_pages"
+                    else StreamRows(state.positions[layer_index, ev.state_row]),
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                )
+                for ev in wave
+            ]
             if plan.storage == "slots":
-                counts = evict_slots(
-                    cache, plan.rule, ev, state.positions[layer_index, ev.state_row],
-                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
-                    layer_index, plan.observer,
-                )
-                if counts is not None:
-                    state.observe_head_retained(counts)
-            elif plan.storage == "head_pages" and ev.compacts:
-                counts = compact_head_pages(
-                    cache, plan.rule, ev, state.stream_rows(layer_index, ev.state_row),
-                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
-                    layer_index, plan.observer,
-                )
-                state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+                for counts in evict_slots_many(cache, plan.rule, evictions, layer_index, plan.observer):
+                    if counts is not None:
+                        state.observe_head_retained(counts)
             else:
-                continue  # global: the step's end ranks every layer; nothing moves here
+                lengths = plan.compacted_lengths(layer_index, wave_index)
+                kept = compact_head_pages_many(cache, plan.rule, evictions, layer_index, plan.observer, lengths)
+                for ev, counts in zip(wave, kept):
+                    state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
             plan.eviction_seconds += time.perf_counter() - started
-            if ev.segment_end > ev.point:
-                kernels.attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
+            for ev in wave:
+                if ev.segment_end > ev.point:
+                    kernels.attend_segment(plan, layer, layer_index, ev, query, key, value, kv_cache, cache, output)
         if plan.storage == "global" and layer_index == state.num_layers - 1:
             started = time.perf_counter()
             self._compact_global(plan)
@@ -293,16 +302,21 @@ class EvictingImpl:
         state = plan.state
         assert state.global_cache is not None
         cache = self.kernels.pool_cache(state.global_cache, plan)
-        for i, ev in plan.last_compactions.items():
-            per_layer = compact_global(
-                cache, plan.rule, ev,
-                [state.stream_rows(layer_index, ev.state_row) for layer_index in range(state.num_layers)],
-                [state.layer_block_offset[layer_index] for layer_index in range(state.num_layers)],
-                state.log_beta_pages, plan.block_table[i], int(plan.region_start[i]),
-                plan.frontier_before[i], self.scale, plan.observer,
-                [plan.pooled_queries.get((layer_index, i)) for layer_index in range(state.num_layers)],
-                [self._model_parts(plan, layer_index) for layer_index in range(state.num_layers)],
+        layers = range(state.num_layers)
+        requests = [
+            PooledEviction(
+                ev, [state.stream_rows(layer_index, ev.state_row) for layer_index in layers],
+                plan.block_table[i], plan.region_start_host[i], plan.frontier_before[i],
+                [plan.pooled_queries.get((layer_index, i)) for layer_index in layers],
+                [self._model_parts(plan, layer_index) for layer_index in layers],
             )
+            for i, ev in plan.last_compactions.items()
+        ]
+        kept = compact_global_many(
+            cache, plan.rule, requests, [state.layer_block_offset[layer_index] for layer_index in layers],
+            state.log_beta_pages, self.scale, plan.observer,
+        )
+        for request, per_layer in zip(requests, kept):
+            ev = request.ev
             for layer_index, counts in enumerate(per_layer):
                 state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
-

@@ -125,6 +125,7 @@ class EvictionStepPlan:
     ring_slots: torch.Tensor | None  # their flat (row, pos % window) slots
     state_rows: torch.Tensor  # [num_reqs] each request's state row
     region_start: torch.Tensor  # [num_reqs] head_pages: standard region start at step start
+    region_start_host: list[int]  # the same, on the host
     local_kv_heads: torch.Tensor  # this rank's KV heads among the model's
     backend_data: Any = None  # what the backend's kernels need (the CPU page layout)
     num_evictions: int = 0  # (request, point) pairs that drop tokens
@@ -134,6 +135,36 @@ class EvictionStepPlan:
     # the ranking after the last layer.
     pooled_queries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _first_lengths: list[list[list[int]]] | None = None
+
+    @property
+    def waves(self) -> list[list[EvictionPoint]]:
+        """The step's eviction points, each request's first ones together,
+        then its second ones...: a layer hands the engine one wave at a time
+        (the requests' points are independent; a request's next point comes
+        after its previous one)."""
+        waves: list[list[EvictionPoint]] = []
+        reached: dict[int, int] = {}
+        for ev in self.evictions:
+            rank = reached[ev.batch_index] = reached.get(ev.batch_index, -1) + 1
+            if rank == len(waves):
+                waves.append([])
+            waves[rank].append(ev)
+        return waves
+
+    def compacted_lengths(self, layer_index: int, wave: int) -> list[list[int]] | None:
+        """head_pages: the compacted tokens per KV head of the first wave's
+        compacting requests in layer ``layer_index``, as the engine sizes
+        their gathers with. One read of every layer's, at the step's first
+        compaction (a layer's lengths change only at its own compactions);
+        None after the first wave (the engine reads them itself)."""
+        if wave:
+            return None
+        if self._first_lengths is None:
+            rows = [ev.state_row for ev in self.waves[0] if ev.compacts] if self.waves else []
+            lens = self.state.head_lens
+            self._first_lengths = torch.stack([lens[:, row] for row in rows], 1).tolist() if rows else []
+        return self._first_lengths[layer_index] if self._first_lengths else None
 
     def device_lengths(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``query_start``, ``seq_lens`` and ``frontier_before`` as int32
@@ -457,6 +488,7 @@ class EvictingBuilder:
             ring_slots=torch.cat(ring_slots).to(device) if ring_slots else None,
             state_rows=torch.tensor(rows, dtype=torch.int64, device=device),
             region_start=torch.tensor(region_starts, dtype=torch.int64, device=device),
+            region_start_host=region_starts,
             local_kv_heads=self.local_kv_heads.to(device),
             backend_data=backend_data,
             num_evictions=sum(ev.frontier_after > ev.frontier_before for ev in evictions),

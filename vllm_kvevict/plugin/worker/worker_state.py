@@ -120,6 +120,7 @@ class WorkerEvictionState:
         # Per request: (point, frontier, head_lens [L, H]) of its last compaction;
         # kept for the last few finished requests (tests and tools).
         self.last_compaction: dict[str, dict] = {}
+        self._compactions: list[tuple[dict, int, torch.Tensor]] = []  # this step's, read at its end
         self.recent_requests: list[dict] = []
         self.row_of: dict[str, int] = {}
         # Each running request's schedule, from its extra
@@ -271,6 +272,7 @@ class WorkerEvictionState:
 
     def end_step(self, evictions: int, seconds: float) -> None:
         """After the last layer of a step: publish what the step did."""
+        self._read_compactions()
         metrics = self.metrics
         if metrics is None:
             return
@@ -362,16 +364,26 @@ class WorkerEvictionState:
         )
 
     def record_compaction(
-        self, request_id: str, point: int, frontier: int, layer_index: int, counts: list[int]
+        self, request_id: str, point: int, frontier: int, layer_index: int, counts: torch.Tensor
     ) -> None:
-        """Tokens each KV head of one layer kept at a compaction (tests and metrics)."""
+        """Tokens each KV head of one layer kept at a compaction (tests and
+        metrics), ``[H]`` on the device: read back with the step's others,
+        in one read, when the step ends (:meth:`end_step`)."""
         record = self.last_compaction.setdefault(request_id, {})
         if record.get("point") != point:
             record.update(
                 point=point, frontier=frontier, head_lens=[[] for _ in range(self.num_layers)]
             )
-        record["head_lens"][layer_index] = counts
-        self.observe_head_retained(counts)
+        self._compactions.append((record, layer_index, counts))
+
+    def _read_compactions(self) -> None:
+        if not self._compactions:
+            return
+        read = torch.stack([counts for _, _, counts in self._compactions]).tolist()
+        for (record, layer_index, _), counts in zip(self._compactions, read):
+            record["head_lens"][layer_index] = counts
+            self.observe_head_retained(counts)
+        self._compactions.clear()
 
     def write_snapshot(self, force: bool = False) -> None:
         """Publish the counters (throttled unless forced)."""

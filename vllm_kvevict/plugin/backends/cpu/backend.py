@@ -44,6 +44,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict import cpu_ops
+from vllm_kvevict.eviction.allocation import round_on_host
 from vllm_kvevict.top_k import use_native_selection
 from vllm_kvevict.plugin.compat import check_cpu_backend_contract
 from vllm_kvevict.plugin.backends.cpu.kernels import cpu_kernels
@@ -103,6 +104,7 @@ class KVEvictCPUMetadataBuilder(EvictingBuilder, CPUAttentionMetadataBuilder):
         kernel = config.kernel_for("cpu") if config is not None else "native"
         if not self.init_eviction(kv_cache_spec, layer_names, vllm_config, device, self.num_heads, kernel):
             return
+        round_on_host(True)  # nothing to wait for in a read of the counts here
         self.native = kernel == "native"
         self.page_layout: PageLayout | None = None
         if kernel != "triton":

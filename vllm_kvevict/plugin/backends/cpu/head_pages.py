@@ -140,11 +140,12 @@ class NativeHeadPagedCache(HeadPagedCache, CopiesHeads):
     module: ModuleType | None = None  # load_cpu_ops()'s extension
 
     def read_heads(
-        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int
+        self, pages: torch.Tensor, lens: torch.Tensor, block_row: torch.Tensor, start: int, end: int,
+        longest: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return cpu_ops.gather_heads(
             self.module, self.kv_cache, pages, lens, block_row, start, end,
-            self.layout.key_index, self.layout.value_index,
+            self.layout.key_index, self.layout.value_index, longest,
         )
 
     def write_heads(

@@ -10,7 +10,9 @@ address through their strides. Head-page ``b * H + s`` is ``cache[b, s]``,
 whether it holds standard slots or compacted tokens: one layout for both, so
 the engine's flat token addresses (``head_page * bs + offset``) name any token.
 
-Reads and writes are torch indexing; compaction is the Triton kernel
+Reads and writes are torch indexing, an eviction's reads and writes of
+every head one gather and one scatter by flat address, sized on the host
+(nothing read back from the device); compaction is the Triton kernel
 (:func:`~vllm_kvevict.triton_kernels.compact_head_pages.compact_head_pages`),
 which moves kept tokens on the device and folds the evicted ones into
 MomentKV's moments in the same launch sequence.
@@ -18,11 +20,13 @@ MomentKV's moments in the same launch sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vllm_kvevict.eviction.cache_ops import CacheOps
+from vllm_kvevict.eviction.head_pages import put_where
 from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
@@ -30,11 +34,15 @@ from vllm_kvevict.triton_kernels.batch import HeadPagedBatch
 
 @dataclass
 class TritonPagedCache(CacheOps):
-    """:class:`~vllm_kvevict.eviction.cache_ops.CacheOps` (with in-place
-    compaction) over one logical ``[num_blocks, H, bs, 2 * D]`` cache: one
-    layer's, or every layer's as one pool of blocks."""
+    """:class:`~vllm_kvevict.eviction.cache_ops.CacheOps` (reading by
+    address, writing every head at once, compacting in place) over one
+    logical ``[num_blocks, H, bs, 2 * D]`` cache: one layer's, or every
+    layer's as one pool of blocks. ``compaction``: the compaction kernel,
+    the Triton one by default (where Triton cannot run, a function of the
+    same arguments: its torch twin)."""
 
     kv_cache: torch.Tensor
+    compaction: Callable[..., None] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +98,41 @@ class TritonPagedCache(CacheOps):
         tokens = self.kv_cache[blocks, heads].reshape(-1, 2 * self.head_dim)[:length]
         return tokens[:, : self.head_dim], tokens[:, self.head_dim :]
 
+    def read_tokens(self, addresses: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens at the flat ``addresses [H, S]``, zeros where ``live`` is
+        false: one gather, ``([H, S, D], [H, S, D])``."""
+        addresses = addresses.to(self.kv_cache.device)
+        blocks, heads = self._page_locations(addresses // self.block_size)
+        tokens = self.kv_cache[blocks, heads, addresses % self.block_size]
+        tokens = torch.where(live.to(tokens.device)[..., None], tokens, 0)
+        return tokens[..., : self.head_dim], tokens[..., self.head_dim :]
+
+    def write_heads(
+        self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        """Head ``h``'s rows ``kept[h, :counts[h]]`` of ``keys, values [H, S, D]``
+        into its pages ``page_table[h]``, the rest of its last page zeroed
+        (:meth:`write_pages` for every head): one scatter, sized by
+        ``kept``'s width, not by the counts."""
+        bs, device = self.block_size, self.kv_cache.device
+        width = cdiv(kept.shape[1], bs) * bs
+        if not width:
+            return
+        column = torch.arange(width, device=device)[None, :]
+        counts = counts.to(device=device, dtype=torch.int64)[:, None]
+        rows = kept.to(device).gather(1, column.clamp(max=kept.shape[1] - 1).expand(kept.shape[0], -1))
+        tokens = torch.cat([keys, values], dim=-1).to(self.kv_cache.dtype)
+        tokens = tokens.gather(1, rows.clamp(min=0)[..., None].expand(-1, -1, tokens.shape[-1]))
+        tokens = torch.where((column < counts)[..., None], tokens, 0)
+        page = page_table.to(device).long().gather(
+            1, (column // bs).clamp(max=page_table.shape[1] - 1).expand(kept.shape[0], -1)
+        )
+        blocks, heads = self._page_locations(page)
+        written = column < (counts + (bs - 1)) // bs * bs  # whole pages
+        index = (blocks.flatten(), heads.flatten(), (column % bs).expand_as(page).flatten())
+        put_where(self.kv_cache, index, tokens.flatten(0, 1), written.flatten())
+
     def write_pages(self, pages: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``n`` tokens into the head-pages ``pages`` (``cdiv(n, bs)`` of
         them), in order; the rest of the last page is zeroed."""
@@ -113,7 +156,9 @@ class TritonPagedCache(CacheOps):
     ) -> None:
         """One request's compaction by the Triton kernel (see
         :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
-        from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages
+        compaction = self.compaction
+        if compaction is None:
+            from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages as compaction
 
         device = self.kv_cache.device
         one = EvictedMoments(*(b.unsqueeze(0) for b in moments._buffers())) if moments is not None else None
@@ -123,7 +168,7 @@ class TritonPagedCache(CacheOps):
             moments=one,
             moment_rows=torch.zeros(1, dtype=torch.int32, device=device) if one is not None else None,
         )
-        compact_head_pages(
+        compaction(
             self.key_cache,
             self.value_cache,
             addresses.to(device).unsqueeze(0).contiguous(),

@@ -1,0 +1,281 @@
+"""Host reads and launches of one eviction step of the engine, counted on CPU.
+
+On a GPU every read of a device value by the host (``.tolist()``, ``int(t)``,
+``nonzero``, a boolean-mask index...) stalls the step until the device has
+caught up, and every tensor op is a launch. The engine reads the device a
+fixed number of times per call, however many requests and KV heads it
+evicts: counted here by :func:`~vllm_kvevict.eviction.host_reads.count_host_reads`
+on the cache the CUDA backend serves with
+(:class:`~vllm_kvevict.plugin.backends.triton.cache.TritonPagedCache`: reads
+and writes by flat address, compaction in place), whose Triton compaction
+runs here as its torch twin, counted as one launch. With ``-s`` each case
+prints its counts for 1, 4 and 16 requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kvevict.eviction.allocation import (
+    AdaKVAllocation, GlobalAllocation, PyramidAllocation, UniformAllocation,
+)
+from vllm_kvevict.eviction.cache_ops import EvictionObserver
+from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
+from vllm_kvevict.eviction.head_pages import compact_head_pages, compact_head_pages_many
+from vllm_kvevict.eviction.host_reads import HostReads, count_host_reads
+from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows, observation_queries
+from vllm_kvevict.eviction.select import KeepRule
+from vllm_kvevict.eviction.slots import evict_slots_many
+from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
+from vllm_kvevict.policies import ScoringInputs, make_policy
+from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages_reference
+
+BLOCK, DIM, GROUP, WINDOW, BUDGET, SINKS, RECENT = 16, 16, 2, 8, 64, 4, 8
+# Two eviction points: the first makes the heads' lengths differ (AdaKV),
+# the second, counted, falls inside a block (a partial block released).
+FIRST, SECOND = 160, 232
+REQUESTS, HEADS = (1, 4, 16), (1, 4)
+
+
+@pytest.fixture(autouse=True)
+def device_path():
+    """The engine as it runs on a device: the CPU worker's shortcuts (the
+    C++ selection, rounding on the host), which an engine started in this
+    process may have switched on, off for the test."""
+    from vllm_kvevict import top_k
+    from vllm_kvevict.eviction import allocation
+
+    native, host_rounding = top_k._native, allocation._host_rounding
+    top_k.use_native_selection(None)
+    allocation.round_on_host(False)
+    yield
+    top_k.use_native_selection(native)
+    allocation.round_on_host(host_rounding)
+
+
+def frontier(point: int) -> int:
+    return (point - BUDGET) // BLOCK * BLOCK
+
+
+def engine(site: str) -> bool:
+    """The engine's sites (and its caches'), not a policy's or the test's."""
+    return not site.startswith("policies/") and site != "outside"
+
+
+def policy(site: str) -> bool:
+    return site.startswith("policies/")
+
+
+class Requests:
+    """``num_requests`` requests' blocks in one cache of ``layers`` layers'
+    blocks, their side-buffer rows and query rings."""
+
+    def __init__(self, num_requests: int, num_heads: int, layers: int = 1, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.num_heads, self.layers = num_heads, layers
+        self.blocks_per_layer = num_requests * 16 + 4
+        kv = torch.randn(self.blocks_per_layer * layers, num_heads, BLOCK, 2 * DIM, generator=gen)
+        kv[..., :DIM] *= torch.exp(torch.randn(1, num_heads, 1, 1, generator=gen))  # heads attend apart
+        self.reads: HostReads | None = None
+        self.cache = TritonPagedCache(kv, compaction=self._compaction)
+        order = torch.randperm(self.blocks_per_layer, generator=gen)
+        self.block_rows = [order[r * 15 : (r + 1) * 15].to(torch.int32) for r in range(num_requests)]
+        capacity = 2 * layers * num_heads * BUDGET // BLOCK
+        self.rows = [
+            [
+                StreamRows(
+                    torch.zeros(num_heads, capacity * BLOCK, dtype=torch.int64),
+                    torch.zeros(num_heads, capacity, dtype=torch.int32),
+                    torch.zeros(num_heads, dtype=torch.int32),
+                )
+                for _ in range(layers)
+            ]
+            for _ in range(num_requests)
+        ]
+        self.rings = [torch.randn(WINDOW, num_heads * GROUP, DIM, generator=gen) for _ in range(num_requests)]
+        self.queries = torch.randn(num_requests, num_heads * GROUP, DIM, generator=gen)
+        self.log_beta = -0.1 * torch.rand(kv.shape[0] * num_heads, BLOCK, generator=gen)
+        self.offsets = [layer * self.blocks_per_layer for layer in range(layers)]
+
+    def _compaction(self, *args: object) -> None:
+        """The Triton compaction's stand-in: its torch twin, one launch."""
+        if self.reads is None:
+            compact_head_pages_reference(*args)  # type: ignore[arg-type]
+            return
+        with self.reads.one_launch("compact_head_pages (Triton)"):
+            compact_head_pages_reference(*args)  # type: ignore[arg-type]
+
+    def point(self, r: int, point: int, last: int, compacts: bool = True) -> EvictionPoint:
+        """Request ``r`` reaching ``point`` in a decode step (its one new token)."""
+        return EvictionPoint(
+            f"r{r}", r, r, r, point - 1, last, frontier(last) if last else 0, point, frontier(point),
+            point, compacts=compacts, region_start=last,
+        )
+
+    def observation(self, r: int, ev: EvictionPoint) -> tuple[torch.Tensor, torch.Tensor]:
+        """The point's observation queries, as the backend takes them: the
+        ring, and the step's one query."""
+        return observation_queries(self.rings[r], self.queries, ev)
+
+    def scoring_inputs(self, r: int, ev: EvictionPoint):
+        def inputs(keys, values, positions, evicted):
+            queries, query_positions = self.observation(r, ev)
+            return ScoringInputs(keys, values, positions, queries, query_positions, DIM**-0.5, evicted)
+
+        return inputs
+
+    def layer_evictions(self, point: int, last: int, layer: int = 0) -> list[LayerEviction]:
+        evictions = []
+        for r in range(len(self.rows)):
+            ev = self.point(r, point, last)
+            evictions.append(LayerEviction(ev, self.rows[r][layer], self.block_rows[r], self.scoring_inputs(r, ev)))
+        return evictions
+
+    def pooled(self, point: int, last: int) -> list[PooledEviction]:
+        evictions = []
+        for r in range(len(self.rows)):
+            ev = self.point(r, point, last)
+            observation = [self.observation(r, ev)] * self.layers
+            evictions.append(
+                PooledEviction(ev, self.rows[r], self.block_rows[r], last, ev.frontier_before, observation)
+            )
+        return evictions
+
+
+def head_pages_step(num_requests: int, num_heads: int, allocation) -> HostReads:
+    requests = Requests(num_requests, num_heads)
+    rule = KeepRule(make_policy("snapkv"), allocation, SINKS, RECENT)
+    observer = EvictionObserver()
+    compact_head_pages_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
+    with count_host_reads() as reads:
+        requests.reads = reads
+        compact_head_pages_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST), 0, observer)
+    return reads
+
+
+def slots_step(num_requests: int, num_heads: int) -> HostReads:
+    requests = Requests(num_requests, num_heads)
+    rule = KeepRule(make_policy("snapkv"), UniformAllocation(), SINKS, RECENT)
+    observer = EvictionObserver()
+    evict_slots_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
+    with count_host_reads() as reads:
+        evict_slots_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST), 0, observer)
+    return reads
+
+
+def global_step(num_requests: int, num_heads: int, allocation, name: str) -> HostReads:
+    """Three layers ranked together (the ranking after a step's last layer)."""
+    requests = Requests(num_requests, num_heads, layers=3)
+    rule = KeepRule(make_policy(name), allocation, SINKS, RECENT)
+    observer = EvictionObserver()
+    args = requests.offsets, requests.log_beta, DIM**-0.5, observer
+    compact_global_many(requests.cache, rule, requests.pooled(FIRST, 0), *args)
+    with count_host_reads() as reads:
+        compact_global_many(requests.cache, rule, requests.pooled(SECOND, FIRST), *args)
+    return reads
+
+
+# case: (its eviction step, the engine's host reads per call)
+CASES = {
+    "head_pages, SnapKV, uniform": (lambda r, h: head_pages_step(r, h, UniformAllocation()), 2),
+    "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 2),
+    "slots, SnapKV": (slots_step, 1),
+    "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
+    "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_reads_do_not_grow_with_requests_or_heads(case: str) -> None:
+    """The engine's host reads per call are the same for 1, 4 and 16
+    requests and for 1 and 4 KV heads; the counts (host reads, launches: the
+    engine's, then the policy's) are printed for the table."""
+    step, expected = CASES[case]
+    counts = {(r, h): step(r, h) for h in HEADS for r in REQUESTS}
+    for h in HEADS:
+        print(
+            f"\n{case}, {h} KV head(s): "
+            + " | ".join(
+                f"{r} req: {counts[r, h].syncs(engine)} reads + {counts[r, h].syncs(policy)} in the policy, "
+                f"{counts[r, h].launches(engine)} launches + {counts[r, h].launches(policy)} in the policy"
+                for r in REQUESTS
+            )
+        )
+    sites = counts[REQUESTS[-1], HEADS[-1]]
+    print("   where (16 requests, 4 heads):\n" + sites.table())
+    for (r, h), reads in counts.items():
+        assert reads.syncs(engine) == expected, (case, r, h, reads.table())
+
+
+def test_a_step_of_many_requests_keeps_what_each_alone_keeps() -> None:
+    """Evicting the requests together keeps, writes and records the same as
+    evicting each alone."""
+    rule = KeepRule(make_policy("snapkv"), AdaKVAllocation(0.2), SINKS, RECENT)
+    together, alone = Requests(6, 3, seed=5), Requests(6, 3, seed=5)
+    observer = EvictionObserver()
+    for point, last in ((FIRST, 0), (SECOND, FIRST)):
+        kept = compact_head_pages_many(together.cache, rule, together.layer_evictions(point, last), 0, observer)
+        for r, eviction in enumerate(alone.layer_evictions(point, last)):
+            counts = compact_head_pages(
+                alone.cache, rule, eviction.ev, eviction.rows, eviction.block_row, eviction.scoring_inputs,
+                0, observer,
+            )
+            assert kept[r].tolist() == counts
+    assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
+    for rows_together, rows_alone in zip(together.rows, alone.rows):
+        for a, b in zip(rows_together, rows_alone):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
+            assert torch.equal(a.lens, b.lens)
+
+
+def test_the_counter_sees_every_kind_of_host_read() -> None:
+    """What the counter counts as a host read, and what it does not."""
+    t = torch.arange(6)
+    with count_host_reads() as reads:
+        t.tolist(), t[0].item(), int(t[1]), bool(t[2]), float(t[3]), t[: t[4]]  # noqa: B018
+        t.nonzero(), t[t > 2], torch.tensor([1, 2]), torch.repeat_interleave(t, t)  # noqa: B018
+    assert reads.syncs() == 10, reads.table()
+    with count_host_reads() as reads:
+        t.topk(3), t.cumsum(0), t.clamp(max=3), t[1:3], torch.arange(3)  # noqa: B018
+        torch.repeat_interleave(t, t, output_size=15), torch.where(t > 2, t, 0)  # noqa: B018
+        torch.zeros(6, dtype=torch.long).scatter_(0, t.flip(0), t)
+    assert reads.syncs() == 0, reads.table()
+    assert reads.launches() >= 8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_triton_caches_reads_and_writes_by_address_are_its_per_head_ones(seed: int) -> None:
+    """:meth:`TritonPagedCache.read_tokens` and :meth:`~TritonPagedCache.write_heads`
+    (one gather, one scatter) read and write what the per-head reads and
+    writes do, on a strided view of the cache."""
+    from vllm_kvevict.eviction.head_pages import block_head_pages, gather_live, page_tables
+    from vllm_kvevict.schedule import cdiv
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, num_blocks = 3, 40
+    storage = torch.randn(num_blocks, BLOCK, heads, 2 * DIM, generator=gen)  # vLLM's [blocks, bs, H, 2D]
+    by_address = TritonPagedCache(storage.clone().permute(0, 2, 1, 3))
+    head_by_head = TritonPagedCache(storage.clone().permute(0, 2, 1, 3))
+    block_row = torch.randperm(num_blocks, generator=gen)[:12].to(torch.int32)
+    lens = torch.tensor([37, 0, 20], dtype=torch.int32)
+    pages = torch.zeros(heads, 8, dtype=torch.int32)
+    pages[:, :3] = block_head_pages(block_row[8:11], heads).view(heads, 3)
+    positions = torch.arange(heads * 64).view(heads, 64)
+    got = gather_live(by_address, pages, lens, positions, block_row, 90, 150)
+    for h, length in enumerate(lens.tolist()):
+        keys, values = head_by_head.read_pages(pages[h], length)
+        slot_keys, slot_values = head_by_head.read_slots(block_row, 90, 150)
+        assert torch.equal(got.keys[h, :length], keys) and torch.equal(got.values[h, :length], values)
+        assert torch.equal(got.keys[h, length : length + 60], slot_keys[h])
+        assert torch.equal(got.values[h, length : length + 60], slot_values[h])
+        assert not got.keys[h, length + 60 :].any() and not got.values[h, length + 60 :].any()
+    kept = torch.stack([torch.randperm(got.keys.shape[1], generator=gen)[:40].sort().values for _ in range(heads)])
+    counts = torch.tensor([40, 0, 17])
+    kept[2, 17:] = -1
+    table = page_tables(block_head_pages(block_row[:4], heads), counts, BLOCK, 8)
+    by_address.write_heads(got.keys, got.values, kept, counts, table)
+    for h, count in enumerate(counts.tolist()):
+        index = kept[h, :count]
+        head_by_head.write_pages(table[h, : cdiv(count, BLOCK)], got.keys[h, index], got.values[h, index])
+    assert torch.equal(by_address.kv_cache, head_by_head.kv_cache)
