@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from paged_layout import poisoned_cache, random_paged_layout
 from triton_mode import DEVICE, INTERPRET, run_in_fresh_process, skip_unless
 
 from vllm_kvevict.moments import EvictedMoments  # noqa: E402
@@ -101,21 +102,9 @@ def _empty_kv(
     if isinstance(strided, str):
         raw, key, value = vllm_layer_kv_cache(None, num_blocks, heads, page_size, head_dim, dtype, strided)
         return key, value, raw
-    key = _empty_cache(num_blocks, heads, page_size, head_dim, dtype, strided)
-    value = _empty_cache(num_blocks, heads, page_size, head_dim, dtype, strided)
+    key = poisoned_cache(num_blocks, heads, page_size, head_dim, dtype, strided, DEVICE)
+    value = poisoned_cache(num_blocks, heads, page_size, head_dim, dtype, strided, DEVICE)
     return key, value, None
-
-
-def _empty_cache(num_blocks: int, heads: int, page_size: int, head_dim: int, dtype: torch.dtype, strided: bool):
-    """A NaN-filled logical ``[num_blocks, H, page_size, D]`` cache; ``strided``:
-    a view of vLLM's GPU layout ``[num_blocks, page_size, H, D]``, rows padded
-    (as a slice of a fused KV tensor would be) so no stride is the natural one."""
-    if strided:
-        physical = torch.full((num_blocks, page_size, heads, head_dim + 8), POISON, dtype=dtype, device=DEVICE)
-        cache = physical[..., :head_dim].permute(0, 2, 1, 3)
-        assert not cache.is_contiguous()
-        return cache
-    return torch.full((num_blocks, heads, page_size, head_dim), POISON, dtype=dtype, device=DEVICE)
 
 
 def _random_summary(gen: torch.Generator, rows: int, heads: int, head_dim: int, mode: str) -> EvictedMoments:
@@ -192,58 +181,16 @@ def make_attention_case(
     ``prefixes``: each request's protected prefix, slots ``[0, p)`` (whole pages)."""
     gen = torch.Generator().manual_seed(seed)
     num_requests = len(requests)
-    prefix_list = prefixes or [0] * num_requests
-    head_lens = torch.randint(0, max_compacted + 1, (num_requests, heads), generator=gen)
-    head_lens.view(-1)[0] = 0
-    head_lens.view(-1)[-1] = page_size * max(1, max_compacted // page_size)
-    compacted_pages = [[-(-int(n) // page_size) for n in row] for row in head_lens]
-    region_blocks = [
-        list(range(prefix // page_size)) + list(range(start // page_size, -(-seq_len // page_size)))
-        for (_, start, seq_len), prefix in zip(requests, prefix_list)
-    ]
-    num_region_blocks = sum(len(b) for b in region_blocks)
-    num_compacted_pages = sum(sum(p) for p in compacted_pages)
-    spare = 2  # never referenced: unused table entries point here
-    num_blocks = num_region_blocks + -(-num_compacted_pages // heads) + spare
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    region_ids, compacted_ids, spare_ids = (
-        order[:num_region_blocks],
-        order[num_region_blocks : num_blocks - spare],
-        order[num_blocks - spare :],
+    layout = random_paged_layout(
+        gen, requests=[(start, seq_len) for _, start, seq_len in requests], heads=heads,
+        page_size=page_size, max_compacted=max_compacted, prefixes=prefixes,
     )
-    free_pages = [b * heads + s for b in compacted_ids for s in range(heads)]
-    free_pages = [free_pages[i] for i in torch.randperm(len(free_pages), generator=gen).tolist()]
-    poison_page = spare_ids[0] * heads + 1 % heads
-
-    key_cache, value_cache, _ = _empty_kv(num_blocks, heads, page_size, head_dim, dtype, strided)
-
-    def fill(block: int, head: int, offsets: slice) -> None:
+    head_lens = layout.head_lens
+    key_cache, value_cache, _ = _empty_kv(layout.num_blocks, heads, page_size, head_dim, dtype, strided)
+    for block, head, offsets in layout.writes:
         n = len(range(page_size)[offsets])
         for cache in (key_cache, value_cache):
             cache[block, head, offsets] = torch.randn(n, head_dim, generator=gen).to(dtype).to(DEVICE)
-
-    max_blocks = max(-(-seq_len // page_size) for _, _, seq_len in requests) + 1
-    block_table = torch.full((num_requests, max_blocks), spare_ids[1], dtype=torch.int32)
-    max_pages = max(max(p) for p in compacted_pages) + 1
-    head_page_table = torch.full((num_requests, heads, max_pages), poison_page, dtype=torch.int32)
-    next_region = 0
-    for r, (_, start, seq_len) in enumerate(requests):
-        for column in region_blocks[r]:
-            block = region_ids[next_region]
-            next_region += 1
-            block_table[r, column] = block
-            first = max(start, column * page_size) - column * page_size
-            last = min(seq_len, (column + 1) * page_size) - column * page_size
-            if column < prefix_list[r] // page_size:
-                first, last = 0, page_size  # a whole prefix page
-            for h in range(heads):
-                fill(block, h, slice(first, last))
-        for h in range(heads):
-            length = int(head_lens[r, h])
-            for p in range(compacted_pages[r][h]):
-                page = free_pages.pop()
-                head_page_table[r, h, p] = page
-                fill(page // heads, page % heads, slice(0, min(page_size, length - p * page_size)))
 
     query_lens = [q for q, _, _ in requests]
     query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -262,14 +209,14 @@ def make_attention_case(
         value_cache=value_cache,
         query_start_loc=to(query_start_loc),
         seq_lens=to(torch.tensor([s for _, _, s in requests], dtype=torch.int32)),
-        head_page_table=to(head_page_table),
+        head_page_table=to(layout.head_page_table),
         head_lens=to(head_lens.to(torch.int32)),
-        block_table=to(block_table),
+        block_table=to(layout.block_table),
         region_start=to(torch.tensor([s for _, s, _ in requests], dtype=torch.int32)),
         scale=1.0 / math.sqrt(head_dim),
         summary=summary_state,
         summary_rows=summary_rows,
-        prefix_lens=to(torch.tensor(prefix_list, dtype=torch.int32)) if prefixes is not None else None,
+        prefix_lens=to(torch.tensor(prefixes, dtype=torch.int32)) if prefixes is not None else None,
     )
 
 
@@ -404,8 +351,8 @@ def test_head_paged_attention_unowned_rows_and_summary_only() -> None:
     placed before its region (nothing in the standard region visible) and with
     no compacted tokens reads only the summary, whose state is returned as is."""
     heads, head_dim, page_size = 1, 32, 16
-    key_cache = _empty_cache(2, heads, page_size, head_dim, torch.float32, False)
-    value_cache = _empty_cache(2, heads, page_size, head_dim, torch.float32, False)
+    key_cache = poisoned_cache(2, heads, page_size, head_dim, torch.float32, False, DEVICE)
+    value_cache = poisoned_cache(2, heads, page_size, head_dim, torch.float32, False, DEVICE)
     key_cache[0, 0, :4] = torch.randn(4, head_dim, device=DEVICE)
     value_cache[0, 0, :4] = torch.randn(4, head_dim, device=DEVICE)
     gen = torch.Generator().manual_seed(3)

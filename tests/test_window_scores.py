@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from paged_layout import poisoned_cache, random_paged_layout
 from triton_mode import DEVICE, run_in_fresh_process, skip_unless
 
 from vllm_kvevict.eviction.select import score_heads  # noqa: E402
@@ -83,53 +84,20 @@ def make_window_case(
     padded), the queries and positions permuted views."""
     gen = torch.Generator().manual_seed(seed)
     num_requests = len(requests)
-    head_lens = torch.randint(0, max_compacted + 1, (num_requests, heads), generator=gen)
-    head_lens.view(-1)[0] = 0
-    head_lens.view(-1)[-1] = page_size * max(1, max_compacted // page_size)
-    compacted_pages = [[-(-int(n) // page_size) for n in row] for row in head_lens]
-    region_blocks = [list(range(start // page_size, -(-seq_len // page_size))) for start, seq_len in requests]
-    num_region_blocks = sum(map(len, region_blocks))
-    spare = 2  # never referenced: unused table entries point here
-    num_blocks = num_region_blocks + -(-sum(map(sum, compacted_pages)) // heads) + spare
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    region_ids, compacted_ids = order[:num_region_blocks], order[num_region_blocks : num_blocks - spare]
-    spare_ids = order[num_blocks - spare :]
-    free_pages = [b * heads + s for b in compacted_ids for s in range(heads)]
-    free_pages = [free_pages[i] for i in torch.randperm(len(free_pages), generator=gen).tolist()]
-
-    if strided:
-        physical = torch.full((num_blocks, page_size, heads, head_dim + 8), POISON, dtype=dtype, device=DEVICE)
-        key_cache = physical[..., :head_dim].permute(0, 2, 1, 3)
-    else:
-        key_cache = torch.full((num_blocks, heads, page_size, head_dim), POISON, dtype=dtype, device=DEVICE)
-
-    def fill(block: int, head: int, offsets: slice) -> None:
+    layout = random_paged_layout(
+        gen, requests=requests, heads=heads, page_size=page_size, max_compacted=max_compacted
+    )
+    head_lens, num_blocks = layout.head_lens, layout.num_blocks
+    key_cache = poisoned_cache(num_blocks, heads, page_size, head_dim, dtype, strided, DEVICE)
+    for block, head, offsets in layout.writes:
         n = len(range(page_size)[offsets])
         key_cache[block, head, offsets] = (torch.randn(n, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
 
-    max_blocks = max(-(-seq_len // page_size) for _, seq_len in requests) + 1
-    block_table = torch.full((num_requests, max_blocks), spare_ids[0], dtype=torch.int32)
-    head_page_table = torch.full(
-        (num_requests, heads, max(max(map(max, compacted_pages)), 1) + 1), spare_ids[1] * heads, dtype=torch.int32
-    )
     capacity = int(head_lens.max()) + 3
     position_table = torch.full((num_requests, heads, capacity), -(1 << 20), dtype=torch.int64)  # never read
-    next_region = 0
-    for r, (start, seq_len) in enumerate(requests):
-        for column in region_blocks[r]:
-            block = region_ids[next_region]
-            next_region += 1
-            block_table[r, column] = block
-            first = max(start, column * page_size) - column * page_size
-            last = min(seq_len, (column + 1) * page_size) - column * page_size
-            for h in range(heads):
-                fill(block, h, slice(first, last))
+    for r, (_, seq_len) in enumerate(requests):
         for h in range(heads):
             length = int(head_lens[r, h])
-            for p in range(compacted_pages[r][h]):
-                page = free_pages.pop()
-                head_page_table[r, h, p] = page
-                fill(page // heads, page % heads, slice(0, min(page_size, length - p * page_size)))
             position_table[r, h, :length] = torch.randint(0, max(seq_len, 1), (length,), generator=gen).sort().values
 
     query_lens = torch.tensor([min(window, seq_len) for _, seq_len in requests], dtype=torch.int32)
@@ -142,10 +110,10 @@ def make_window_case(
             compacted_positions = compacted_positions.transpose(1, 2).contiguous().transpose(1, 2)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     batch = HeadPagedBatch(
-        to(head_page_table),
+        to(layout.head_page_table),
         to(head_lens.to(torch.int32)),
         seq_lens=to(torch.tensor([s for _, s in requests], dtype=torch.int32)),
-        block_table=to(block_table),
+        block_table=to(layout.block_table),
         region_start=to(torch.tensor([s for s, _ in requests], dtype=torch.int32)),
     )
     return WindowCase(queries, key_cache, batch, to(query_lens), compacted_positions, 1.0 / math.sqrt(head_dim))
