@@ -226,10 +226,11 @@ def test_concurrency_and_usage_count_only_while_requests_are_outstanding() -> No
 
 def _load(requests: list[tuple[float, float, list[float], int, int, str | None]],
           samples=(), preemptions: float | None = 0.0, pool: int | None = 517, clock0: float = 0.0,
-          max_tokens: int = 4, **figures) -> sb.LoadRun:
+          max_tokens: int | list[int] = 4, **figures) -> sb.LoadRun:
     """A load as vLLM's benchmark() reports it, per request (start time, TTFT,
     inter-chunk gaps, prompt tokens, completion tokens, error); the end of a
-    request is its last chunk's arrival."""
+    request is its last chunk's arrival. ``max_tokens``: what each request
+    asked for (one number: all of them)."""
     lists = {
         "start_times": [r[0] for r in requests], "ttfts": [r[1] for r in requests],
         "itls": [r[2] for r in requests], "latencies": [r[1] + sum(r[2]) for r in requests],
@@ -237,7 +238,8 @@ def _load(requests: list[tuple[float, float, list[float], int, int, str | None]]
         "errors": [r[5] or "" for r in requests],
     }
     figures.setdefault("duration", max([r[0] + r[1] + sum(r[2]) for r in requests], default=0.0))
-    return sb.LoadRun(request_records(lists, max_tokens, clock0), figures, list(samples), preemptions, pool)
+    asked = [max_tokens] * len(requests) if isinstance(max_tokens, int) else max_tokens
+    return sb.LoadRun(request_records(lists, asked, clock0), figures, list(samples), preemptions, pool)
 
 
 def test_a_run_summary_from_vllms_benchmark_and_samples() -> None:
@@ -273,6 +275,9 @@ def test_a_run_summary_from_vllms_benchmark_and_samples() -> None:
     # No request completed: no latency figure (vLLM's would read 0).
     nothing = summarize_run(FULL, None, None, _load([(0.0, 0.0, [], 10, 0, "boom")], p50_ttft_ms=0.0), 517)
     assert nothing.ttft_p50_ms is None and nothing.completed == 0
+    # Each request is held to its own max_tokens.
+    mixed = _load([(0.0, 1.0, [0.1], 10, 2, None), (0.0, 1.0, [0.1], 10, 2, None)], max_tokens=[2, 3])
+    assert [r["error"] for r in mixed.requests] == [None, "2 completion tokens, asked 3"]
 
 
 # ---------------------------------------------------------------- metrics

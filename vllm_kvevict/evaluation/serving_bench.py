@@ -668,16 +668,17 @@ class LoadRun:
     eviction: HistogramDelta | None = None  # kvevict_eviction_seconds, end - start
 
 
-def request_records(figures: dict[str, Any], max_tokens: int, clock0: float) -> list[dict[str, Any]]:
+def request_records(figures: dict[str, Any], max_tokens: Sequence[int], clock0: float) -> list[dict[str, Any]]:
     """vLLM's per-request lists as one record per request, in seconds since the
-    load started; a request that returned another number of tokens than asked failed."""
+    load started; a request that returned another number of tokens than it
+    asked for (``max_tokens``, per request in load order) failed."""
     records = []
-    for index, (start, ttft, itl, latency, prompt, completion, error) in enumerate(zip(
+    for index, (start, ttft, itl, latency, prompt, completion, error, asked) in enumerate(zip(
             figures["start_times"], figures["ttfts"], figures["itls"], figures["latencies"],
-            figures["input_lens"], figures["output_lens"], figures["errors"])):
+            figures["input_lens"], figures["output_lens"], figures["errors"], max_tokens, strict=True)):
         error = error.strip().splitlines()[-1][:300] if error else None
-        if error is None and completion != max_tokens:
-            error = f"{completion} completion tokens, asked {max_tokens}"
+        if error is None and completion != asked:
+            error = f"{completion} completion tokens, asked {asked}"
         send = start - clock0
         records.append({"index": index, "send_s": send, "first_token_s": send + ttft if ttft else None,
                         "end_s": send + latency, "itl": itl, "prompt_tokens": prompt,
@@ -716,7 +717,7 @@ def run_load(url: str, load: Sequence[Any], concurrency: int, tokenizer: Any, in
         evicted_after = settled_histogram(url, EVICTION_SECONDS)
     finally:
         samples = sampler.stop()
-    records = request_records(figures, load[0].expected_output_len, clock0)
+    records = request_records(figures, [r.expected_output_len for r in load], clock0)
     figures = {k: v for k, v in figures.items() if not isinstance(v, list)}
     return LoadRun(records, figures, samples, counter_delta(before.get(PREEMPTIONS), after.get(PREEMPTIONS)),
                    pool_blocks_from_exposition(text), histogram_delta(evicted_before, evicted_after))
