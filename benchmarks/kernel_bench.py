@@ -15,20 +15,25 @@ over a contiguous ``[B, L, H, D]`` copy of the same data.
 Target 2, eviction step against decode step, over all layers of a model-like
 shape (default: 32 layers, 8 KV heads x 4 query heads, head_dim 128, the
 attention of Llama-3-8B), same batch. One eviction step = for every layer,
-SnapKV-style scores (torch: gather the keys, softmax of a 32-query window,
-pooling, top-k) and the compaction kernel ``compact_head_pages`` in place
-(every head evicts ``--evict-tokens``, folded into the MomentKV moments). One
-decode step = ``head_paged_attention`` of every layer (the rest of the model is
-not counted, so the ratio overstates the share of a whole decode step).
-Reported: both times, their ratio, and that ratio spread over the
-``--decode-interval`` decode steps between two evictions.
+SnapKV scores, then the compaction kernel ``compact_head_pages`` in place
+(every head evicts ``--evict-tokens``, folded into the MomentKV moments). The
+scores two ways: in torch (gather the keys, softmax of a 32-query window,
+pooling, top-k), and as serving computes them on the Triton path (the
+window-score kernel ``window_votes`` over every request and head of the layer
+through the page tables, the policy's pooling, top-k), the latter also against
+reading the layer's keys once at the measured copy bandwidth. One decode step =
+``head_paged_attention`` of every layer (the rest of the model is not counted,
+so the ratio overstates the share of a whole decode step). Reported: the
+times, the eviction step's ratio to the decode step with each way of scoring,
+and that ratio spread over the ``--decode-interval`` decode steps between two
+evictions.
 
     python benchmarks/kernel_bench.py                  # needs a CUDA GPU
     python benchmarks/kernel_bench.py --json out.json  # the figures as JSON too
     python benchmarks/kernel_bench.py --smoke          # tiny shapes; on CPU under TRITON_INTERPRET=1
 
 Without CUDA and without ``--smoke`` it says a GPU is needed and exits 1.
-``--smoke`` first checks both kernels against their torch references on
+``--smoke`` first checks the three kernels against their torch references on
 vLLM's views in both layouts; its times (the interpreter's on CPU) mean
 nothing.
 
@@ -317,6 +322,23 @@ def snapkv_keep(setup: Setup, key: torch.Tensor, requests: Requests, window_q: t
     return torch.cat(kept)
 
 
+def window_keep(setup: Setup, key: torch.Tensor, requests: Requests, window_q: torch.Tensor,
+                keep_count: int, positions: torch.Tensor, pool: int = 7) -> torch.Tensor:
+    """SnapKV as serving scores it on the Triton path: the window-score kernel
+    over every (request, KV head) of the layer at once, through the page
+    tables (the token ``L - 1`` in the standard region, the others compacted
+    at ``positions``), SnapKV's average pooling, the top ``keep_count``."""
+    from vllm_kvevict.policies.snapkv import pool_votes
+    from vllm_kvevict.triton_kernels.window_scores import window_votes
+
+    batch, length = requests.batch, requests.length
+    votes = window_votes(window_q.transpose(1, 2), key, requests.plain, requests.scale,
+                         compacted_positions=positions, max_len=length)
+    lengths = torch.full(votes.shape[:2], length, device=votes.device)
+    score = pool_votes(votes, lengths, pool, "avg")
+    return score.topk(keep_count, dim=-1).indices.sort(dim=-1).values
+
+
 def hole_filling_order(kept_sorted: torch.Tensor, length: int) -> torch.Tensor:
     """Destination order that leaves every kept token below the new length ``K``
     in place and moves the kept tokens at or above it into the holes (evicted
@@ -340,7 +362,7 @@ def hole_filling_order(kept_sorted: torch.Tensor, length: int) -> torch.Tensor:
     return order[..., :keep_count]
 
 
-def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
+def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> dict | None:
     """Target 2: one eviction step of every layer against one decode step of every layer."""
     from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention
@@ -352,9 +374,12 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
         f"B = {batch}, L = {length:,} tokens per KV head, {args.dtype}, {layers} layers x {setup.kv_heads} KV heads x "
         f"{setup.group} query heads each, head_dim {setup.head_dim}, page size {setup.page_size}, layout "
         f"{args.layout} ({layers * layer_bytes / 1e9:,.1f} GB of K and V). Eviction step, per layer: SnapKV scores "
-        f"over a {args.window}-query window in torch, then every head evicts {evict} tokens with the compaction "
+        f"over a {args.window}-query window (in torch; with the window-score kernel over every request and head, "
+        "as the Triton path serves it), then every head evicts "
+        f"{evict} tokens with the compaction "
         "kernel in place (sequence order; hole filling: only the kept tokens past the new end move), the evicted "
         "tokens folded into the moments. Decode step: the Triton attention of every layer (no other model work). "
+        "Keys once: one read of every layer's keys at the measured copy bandwidth. "
         f"Per decode step: the eviction's share when it runs every {args.decode_interval} decode steps.\n"
     )
     if length % setup.page_size or length <= evict:
@@ -380,6 +405,7 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
     src_lens = torch.full((batch, heads), length, **i32)
     # In place: each head's own pages, from the first.
     after = replace(requests.with_moments, head_lens=torch.full((batch, heads), keep_count, **i32))
+    positions = torch.arange(length - 1, dtype=torch.int32, device=setup.device).expand(batch, heads, -1)
     kept = [snapkv_keep(setup, key, requests, window_q, keep_count).to(torch.int32) for key, _ in caches]
     holes = [hole_filling_order(k.long(), length).to(torch.int32).contiguous() for k in kept]
 
@@ -391,6 +417,10 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
         for key, _ in views:
             snapkv_keep(setup, key, requests, window_q, keep_count)
 
+    def kernel_scores() -> None:
+        for key, _ in views:
+            window_keep(setup, key, requests, window_q, keep_count, positions)
+
     def compaction(orders: list[torch.Tensor]) -> Callable[[], None]:
         # Repeated runs move the same addresses (the data changes, the work does not).
         def run() -> None:
@@ -401,9 +431,12 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
 
     t_decode = setup.timer(decode_step)
     t_score = setup.timer(scores)
+    t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
     t_holes = setup.timer(compaction(holes))
     t_evict = t_score + t_ordered
+    t_evict_kernel = t_kernel + t_holes
+    t_keys = layers * layer_bytes / 2 / (copy_bw / 2)  # each layer's K once, at the copy's read rate
     result = {
         "layout": args.layout, "batch": batch, "length": length, "layers": layers, "layers_allocated": allocated,
         "kv_heads": heads, "group": setup.group, "head_dim": setup.head_dim, "dtype": args.dtype,
@@ -412,17 +445,23 @@ def target_eviction(setup: Setup, args: argparse.Namespace) -> dict | None:
         "compaction_hole_filling_us": t_holes * 1e6, "eviction_step_us": t_evict * 1e6,
         "eviction_over_decode": t_evict / t_decode,
         "eviction_over_decode_per_step": t_evict / t_decode / args.decode_interval,
+        "kernel_score_us": t_kernel * 1e6, "keys_once_us": t_keys * 1e6, "kernel_score_over_keys_once": t_kernel / t_keys,
+        "kernel_eviction_step_us": t_evict_kernel * 1e6, "kernel_eviction_over_decode": t_evict_kernel / t_decode,
+        "kernel_eviction_over_decode_per_step": t_evict_kernel / t_decode / args.decode_interval,
     }
     print(
-        "| decode step (µs) | scores (µs) | compaction (µs) | compaction, hole filling (µs) | "
+        "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
         "eviction step (µs) | eviction / decode | per decode step |"
     )
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| {t_decode * 1e6:,.0f} | {t_score * 1e6:,.0f} | {t_ordered * 1e6:,.0f} | {t_holes * 1e6:,.0f} | "
-        f"{t_evict * 1e6:,.0f} | {t_evict / t_decode:.2f}x | {100 * t_evict / t_decode / args.decode_interval:.1f}% |",
-        flush=True,
-    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, t_s, t_c in (("torch", t_score, t_ordered), ("window-score kernel, hole filling", t_kernel, t_holes)):
+        t_e = t_s + t_c
+        print(
+            f"| {label} | {t_decode * 1e6:,.0f} | {t_s * 1e6:,.0f} | {t_keys * 1e6:,.0f} | {t_ordered * 1e6:,.0f} | "
+            f"{t_holes * 1e6:,.0f} | {t_e * 1e6:,.0f} | {t_e / t_decode:.2f}x | "
+            f"{100 * t_e / t_decode / args.decode_interval:.1f}% |",
+            flush=True,
+        )
     return result
 
 
@@ -435,6 +474,7 @@ def smoke_check(setup: Setup) -> None:
     from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages, compact_head_pages_reference
     from vllm_kvevict.triton_kernels.head_paged_attention import head_paged_attention, head_paged_attention_reference
+    from vllm_kvevict.triton_kernels.window_scores import window_votes, window_votes_reference
 
     batch, length, heads = 2, 4 * setup.page_size, setup.kv_heads
     requests = make_requests(setup, batch, length)
@@ -459,9 +499,13 @@ def smoke_check(setup: Setup) -> None:
             fn(k, v, requests.src_tokens, torch.full((batch, heads), length, **i32), kept, after)
             results.append((buffer, s.cross_cov, s.count))
         assert torch.equal(results[0][0], results[1][0])  # kept tokens are copied bit for bit
+        positions = torch.arange(length - 1, **i32).expand(batch, heads, -1)
+        votes = [fn(window_q.transpose(1, 2), key, requests.plain, requests.scale, compacted_positions=positions,
+                    max_len=length) for fn in (window_votes, window_votes_reference)]
+        torch.testing.assert_close(votes[0], votes[1], atol=1e-3, rtol=1e-2)
         for got, want in zip(results[0][1:], results[1][1:]):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    print("smoke check: both kernels match their torch references on vLLM's views (LBHNC, LBNHC)\n")
+    print("smoke check: the three kernels match their torch references on vLLM's views (LBHNC, LBNHC)\n")
 
 
 # --------------------------------------------------------------------------- main
@@ -497,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         smoke_check(setup)
     decode = target_decode(setup, args, copy_bw)
-    eviction = target_eviction(setup, args)
+    eviction = target_eviction(setup, args, copy_bw)
     if args.json:
         figures = {
             "command": shlex.join(command), "device": name, "torch": torch.__version__, "triton": triton.__version__,

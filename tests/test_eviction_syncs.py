@@ -7,9 +7,10 @@ fixed number of times per call, however many requests and KV heads it
 evicts: counted here by :func:`~vllm_kvevict.eviction.host_reads.count_host_reads`
 on the cache the CUDA backend serves with
 (:class:`~vllm_kvevict.plugin.backends.triton.cache.TritonPagedCache`: reads
-and writes by flat address, compaction in place), whose Triton compaction
-runs here as its torch twin, counted as one launch. With ``-s`` each case
-prints its counts for 1, 4 and 16 requests.
+and writes by flat address, compaction in place, SnapKV's window votes for
+every request at once), whose Triton compaction and window-score kernels run
+here as their torch references, counted as one launch each. With ``-s`` each
+case prints its counts for 1, 4 and 16 requests.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 from vllm_kvevict.policies import ScoringInputs, make_policy
+from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages_reference
+from vllm_kvevict.triton_kernels.window_scores import window_votes_reference
 
 BLOCK, DIM, GROUP, WINDOW, BUDGET, SINKS, RECENT = 16, 16, 2, 8, 64, 4, 8
 # Two eviction points: the first makes the heads' lengths differ (AdaKV),
@@ -78,7 +81,7 @@ class Requests:
         kv = torch.randn(self.blocks_per_layer * layers, num_heads, BLOCK, 2 * DIM, generator=gen)
         kv[..., :DIM] *= torch.exp(torch.randn(1, num_heads, 1, 1, generator=gen))  # heads attend apart
         self.reads: HostReads | None = None
-        self.cache = TritonPagedCache(kv, compaction=self._compaction)
+        self.cache = TritonPagedCache(kv, compaction=self._compaction, window_scores=self._window_scores)
         order = torch.randperm(self.blocks_per_layer, generator=gen)
         self.block_rows = [order[r * 15 : (r + 1) * 15].to(torch.int32) for r in range(num_requests)]
         capacity = 2 * layers * num_heads * BUDGET // BLOCK
@@ -105,6 +108,13 @@ class Requests:
             return
         with self.reads.one_launch("compact_head_pages (Triton)"):
             compact_head_pages_reference(*args)  # type: ignore[arg-type]
+
+    def _window_scores(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """The Triton window-score kernels' stand-in: their torch reference, one launch."""
+        if self.reads is None:
+            return window_votes_reference(*args, **kwargs)  # type: ignore[arg-type]
+        with self.reads.one_launch("window_votes (Triton)"):
+            return window_votes_reference(*args, **kwargs)  # type: ignore[arg-type]
 
     def point(self, r: int, point: int, last: int, compacts: bool = True) -> EvictionPoint:
         """Request ``r`` reaching ``point`` in a decode step (its one new token)."""
@@ -176,10 +186,12 @@ def global_step(num_requests: int, num_heads: int, allocation, name: str) -> Hos
     return reads
 
 
-# case: (its eviction step, the engine's host reads per call)
+# case: (its eviction step, the engine's host reads per call). Head pages with
+# SnapKV: the selection's read, the counts for the page tables, and the window
+# sizes copied to the device for the window-score kernel; the policy reads nothing.
 CASES = {
-    "head_pages, SnapKV, uniform": (lambda r, h: head_pages_step(r, h, UniformAllocation()), 2),
-    "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 2),
+    "head_pages, SnapKV, uniform": (lambda r, h: head_pages_step(r, h, UniformAllocation()), 3),
+    "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 3),
     "slots, SnapKV": (slots_step, 1),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
@@ -225,6 +237,40 @@ def test_a_step_of_many_requests_keeps_what_each_alone_keeps() -> None:
     assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
     for rows_together, rows_alone in zip(together.rows, alone.rows):
         for a, b in zip(rows_together, rows_alone):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
+            assert torch.equal(a.lens, b.lens)
+
+
+class HeadByHeadSnapKV(SnapKVPolicy):
+    """SnapKV attending with the window queries itself, head by head."""
+
+    reads_window_votes = False
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_window_votes_for_every_request_keep_what_head_by_head_scoring_keeps(pooling: str) -> None:
+    """SnapKV from the cache's window votes of every request and head at once
+    keeps, writes and records what SnapKV attending head by head keeps, on
+    heads of different lengths (AdaKV), through two eviction points; the
+    policy then reads nothing back."""
+    policies = SnapKVPolicy(kernel_size=7, pooling=pooling), HeadByHeadSnapKV(kernel_size=7, pooling=pooling)
+    voted, head_by_head = Requests(5, 3, seed=11), Requests(5, 3, seed=11)
+    observer = EvictionObserver()
+    for point, last in ((FIRST, 0), (SECOND, FIRST)):
+        kept = []
+        for requests, policy in zip((voted, head_by_head), policies):
+            rule = KeepRule(policy, AdaKVAllocation(0.2), SINKS, RECENT)
+            with count_host_reads() as reads:
+                kept.append(compact_head_pages_many(requests.cache, rule, requests.layer_evictions(point, last), 0,
+                                                    observer))
+            if requests is voted:
+                assert reads.syncs(lambda site: site.startswith("policies/")) == 0, reads.table()
+        assert [k.tolist() for k in kept[0]] == [k.tolist() for k in kept[1]]
+        assert len({tuple(k.tolist()) for k in kept[0]}) > 1  # the requests keep differently
+    assert torch.equal(voted.cache.kv_cache, head_by_head.cache.kv_cache)
+    assert any(len(set(rows[0].lens.tolist())) > 1 for rows in voted.rows)  # heads of different lengths
+    for rows_voted, rows_alone in zip(voted.rows, head_by_head.rows):
+        for a, b in zip(rows_voted, rows_alone):
             assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
             assert torch.equal(a.lens, b.lens)
 

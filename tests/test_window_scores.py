@@ -33,7 +33,8 @@ from vllm_kvevict.policies.base import PADDING_POSITION  # noqa: E402
 from vllm_kvevict.triton_kernels import window_scores as ws  # noqa: E402
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference  # noqa: E402
-from vllm_kvevict.triton_kernels.window_scores_torch import item_lengths, pool_votes  # noqa: E402
+from vllm_kvevict.policies.snapkv import pool_votes  # noqa: E402
+from vllm_kvevict.triton_kernels.window_scores_torch import item_lengths  # noqa: E402
 
 POISON = float("nan")
 

@@ -23,9 +23,8 @@ that sees no key gives zero everywhere and still counts in the mean over
 This file holds the torch reference (:func:`window_votes_reference`, which
 runs :func:`~vllm_kvevict.triton_kernels.window_scores_torch.window_votes_torch`
 item by item on the logical cache) and the Triton kernel :func:`window_votes`.
-Pooling is not fused:
-:func:`~vllm_kvevict.triton_kernels.window_scores_torch.pool_votes` pools the
-votes afterwards (one torch op over ``[R, H, width]``).
+Pooling is not fused: the policy pools the votes it is given
+(:func:`vllm_kvevict.policies.snapkv.pool_votes`, a torch op per request).
 """
 
 from __future__ import annotations

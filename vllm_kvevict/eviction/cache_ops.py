@@ -118,6 +118,27 @@ class CopiesHeads(WritesHeads, Protocol):
         the caller knows it)."""
 
 
+@runtime_checkable
+class ScoresWindows(Protocol):
+    """A cache that computes SnapKV's window votes for every (request, KV
+    head) of a layer's evictions at once, on its device (the Triton
+    window-score kernel), instead of each policy call attending with the
+    window queries head by head."""
+
+    def window_votes(
+        self, queries: torch.Tensor, query_lens: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
+        positions: torch.Tensor, block_rows: torch.Tensor, region_start: torch.Tensor, points: torch.Tensor,
+        scale: float, width: int,
+    ) -> torch.Tensor:
+        """Request ``r``'s live tokens (head ``h``'s first ``lens[r, h]``
+        tokens of its pages ``pages[r, h]``, at positions ``positions[r, h]``,
+        then its slots ``[region_start[r], points[r])`` through
+        ``block_rows[r]``), each key's mean causal softmax attention over the
+        ``G * query_lens[r]`` rows of ``queries [R, Hq, W, D]`` (rows
+        ``[0, query_lens[r])``: positions ``[points[r] - query_lens[r],
+        points[r])``): ``[R, H, width]`` fp32, zero past a head's tokens."""
+
+
 def implements(cache: object, protocol: type) -> bool:
     """``isinstance(cache, protocol)`` for the protocols above, answered once
     per cache class (a runtime protocol check walks the protocol's members

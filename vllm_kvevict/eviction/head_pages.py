@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.eviction.cache_ops import (
-    CacheOps, CompactsInPlace, CopiesHeads, EvictionObserver, ReadsTokens, Released, WritesHeads, implements,
+    CacheOps, CompactsInPlace, CopiesHeads, EvictionObserver, ReadsTokens, Released, ScoresWindows, WritesHeads,
+    implements,
 )
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
-from vllm_kvevict.policies.base import PADDING_POSITION
+from vllm_kvevict.policies.base import PADDING_POSITION, ScoringInputs
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.top_k import select_top
 
@@ -260,6 +261,38 @@ def record_kept(
     rows.lens.copy_(counts.to(rows.lens.dtype))
 
 
+def window_votes_many(
+    cache: CacheOps, evictions: Sequence[LayerEviction], inputs: Sequence[ScoringInputs], starts: Sequence[int],
+) -> list[torch.Tensor]:
+    """Each request's window votes ``[H, S]`` (its ``inputs``' live tokens:
+    the compacted tokens, then the slots ``[start, point)``), from one call
+    of the cache's window-score kernel for every request and head of the
+    layer. Sized on the host from the eviction points and the inputs'
+    shapes: nothing is read back."""
+    assert implements(cache, ScoresWindows)
+    first = inputs[0]
+    assert first.queries is not None
+    num_q_heads, head_dim = first.queries.shape[0], first.queries.shape[2]
+    window = max(i.queries.shape[1] for i in inputs)  # type: ignore[union-attr]
+    queries = first.queries.new_zeros(len(inputs), num_q_heads, window, head_dim)
+    for r, request in enumerate(inputs):
+        queries[r, :, : request.queries.shape[1]] = request.queries  # type: ignore[union-attr]
+    host = torch.tensor(
+        [[i.queries.shape[1] for i in inputs], list(starts), [e.ev.point for e in evictions]],  # type: ignore[union-attr]
+        dtype=torch.int32,
+    ).to(first.keys.device)
+    widths = [i.keys.shape[1] for i in inputs]
+    votes = cache.window_votes(
+        queries, host[0],
+        torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
+        torch.stack([e.rows.lens for e in evictions]),  # type: ignore[misc]
+        torch.stack([e.rows.positions for e in evictions]),
+        torch.stack([e.block_row for e in evictions]),
+        host[1], host[2], first.scale, max(widths),
+    )
+    return [votes[r, :, :width] for r, width in enumerate(widths)]
+
+
 def compact_head_pages(
     cache: CacheOps,
     rule: KeepRule,
@@ -321,6 +354,12 @@ def compact_head_pages_many(
             Selection([inputs], [tokens.live], ev.point, free_pages.numel(), bs, [live_lengths])
         )
         gathered.append((tokens, free_pages, start))
+    if rule.policy.reads_window_votes and implements(cache, ScoresWindows) and evictions:
+        votes = window_votes_many(
+            cache, evictions, [sel.layers[0] for sel in selections], [start for _, _, start in gathered]
+        )
+        for selection, request_votes in zip(selections, votes):
+            selection.layers[0].window_votes = request_votes
     chosen = choose_kept_many(rule, selections)
     host_counts: list[list[int] | None] = [None] * len(chosen)
     in_place = implements(cache, CompactsInPlace)

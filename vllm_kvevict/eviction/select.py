@@ -281,9 +281,11 @@ def score_heads(
     mask (on a layer whose heads hold 2,464, 224 and 192 tokens, SnapKV's
     score took 3.3-6.3 ms padded and 0.7 ms head by head). Policies that score
     token by token read padding at the cost of the padding alone, and those
-    with ``scores_ragged_heads`` skip it themselves.
+    with ``scores_ragged_heads``, or given the window votes the cache
+    computed (``window_votes``), skip it themselves.
     """
-    if policy.needs_queries and not policy.scores_ragged_heads and live is not None:
+    ragged_alone = policy.scores_ragged_heads or inputs.window_votes is not None
+    if policy.needs_queries and not ragged_alone and live is not None:
         if lengths is None:
             lengths = live.sum(-1).tolist()
         if min(lengths, default=0) != max(lengths, default=0):

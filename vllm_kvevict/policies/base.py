@@ -19,6 +19,10 @@ Shapes (one request, one layer)::
     evicted          the request's row of the evicted-token statistics
                      (:class:`~vllm_kvevict.moments.EvictedMoments`,
                      count [H]), for policies with needs_moments, or None
+    window_votes     [H, S] fp32 the mean attention each key receives from
+                     the window queries (SnapKV's votes), when the engine
+                     computed them for every request at once
+                     (reads_window_votes), or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -65,6 +69,7 @@ class ScoringInputs:
     output_projection: torch.Tensor | None = None  # for needs_output_projection
     log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
     step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
+    window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -97,6 +102,7 @@ class ScoringInputs:
             output_projection=query_group(self.output_projection),
             log_beta=self.log_beta[h : h + 1, tokens] if self.log_beta is not None else None,
             step=self.step,
+            window_votes=self.window_votes[h : h + 1, tokens] if self.window_votes is not None else None,
         )
 
 
@@ -126,6 +132,13 @@ class EvictionPolicy(ABC):
     needs_log_beta: ClassVar[bool] = False
     """Scores with the log retention each token's gate gave it when it was
     written (:mod:`retention_gate`), passed as ``log_beta`` with ``step``."""
+    reads_window_votes: ClassVar[bool] = False
+    """Scores from the mean causal attention each key receives from the
+    observation window (``window_votes``) where the engine passes it: an
+    engine whose cache computes those votes for every (request, KV head) of a
+    layer at once (the Triton window-score kernel) passes them, and the
+    policy then reads no queries and splits no layer by head. Without them
+    it computes the same votes from the queries."""
     scores_ragged_heads: ClassVar[bool] = False
     """A layer whose heads hold different numbers of tokens (each row's real
     tokens first, then ``PADDING_POSITION``) is scored whole: the policy does

@@ -39,10 +39,12 @@ class TritonPagedCache(CacheOps):
     logical ``[num_blocks, H, bs, 2 * D]`` cache: one layer's, or every
     layer's as one pool of blocks. ``compaction``: the compaction kernel,
     the Triton one by default (where Triton cannot run, a function of the
-    same arguments: its torch twin)."""
+    same arguments: its torch twin); ``window_scores`` likewise SnapKV's
+    window votes (:meth:`window_votes`)."""
 
     kv_cache: torch.Tensor
     compaction: Callable[..., None] | None = None
+    window_scores: Callable[..., torch.Tensor] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -175,6 +177,31 @@ class TritonPagedCache(CacheOps):
             live_lens.to(device=device, dtype=torch.int32).unsqueeze(0),
             kept.to(device).unsqueeze(0).contiguous(),
             batch,
+        )
+
+    def window_votes(
+        self, queries: torch.Tensor, query_lens: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
+        positions: torch.Tensor, block_rows: torch.Tensor, region_start: torch.Tensor, points: torch.Tensor,
+        scale: float, width: int,
+    ) -> torch.Tensor:
+        """Every request's window votes in two launches of the Triton kernel
+        (see :class:`~vllm_kvevict.eviction.cache_ops.ScoresWindows`)."""
+        window_scores = self.window_scores
+        if window_scores is None:
+            from vllm_kvevict.triton_kernels.window_scores import window_votes as window_scores
+
+        device = self.kv_cache.device
+        batch = HeadPagedBatch(
+            head_page_table=pages.to(device),
+            head_lens=lens.to(device=device, dtype=torch.int32),
+            seq_lens=points.to(device=device, dtype=torch.int32),
+            block_table=block_rows.to(device),
+            region_start=region_start.to(device=device, dtype=torch.int32),
+        )
+        return window_scores(
+            queries.to(device), self.key_cache, batch, scale,
+            query_lens=query_lens.to(device=device, dtype=torch.int32),
+            compacted_positions=positions.to(device), max_len=width,
         )
 
     # The isolation check's writes (``poison_freed_blocks``).
