@@ -19,6 +19,8 @@ Shapes (one request, one layer)::
     evicted          the request's row of the evicted-token statistics
                      (:class:`~vllm_kvevict.moments.EvictedMoments`,
                      count [H]), for policies with needs_moments, or None
+    reconstruction   [H, S] fp32 each token's attention while the model
+                     repeated the prompt (kvzip), or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -65,6 +67,7 @@ class ScoringInputs:
     output_projection: torch.Tensor | None = None  # for needs_output_projection
     log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
     step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
+    reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -97,6 +100,9 @@ class ScoringInputs:
             output_projection=query_group(self.output_projection),
             log_beta=self.log_beta[h : h + 1, tokens] if self.log_beta is not None else None,
             step=self.step,
+            reconstruction=(
+                self.reconstruction[h : h + 1, tokens] if self.reconstruction is not None else None
+            ),
         )
 
 
@@ -126,6 +132,11 @@ class EvictionPolicy(ABC):
     needs_log_beta: ClassVar[bool] = False
     """Scores with the log retention each token's gate gave it when it was
     written (:mod:`retention_gate`), passed as ``log_beta`` with ``step``."""
+    needs_reconstruction: ClassVar[bool] = False
+    """Scores with the attention each token received while the model repeated
+    the prompt (:mod:`kvzip`), passed as ``reconstruction``: computed by an
+    extra pass of the model after the prompt, which the reference decoder
+    runs and the served path does not."""
     scores_ragged_heads: ClassVar[bool] = False
     """A layer whose heads hold different numbers of tokens (each row's real
     tokens first, then ``PADDING_POSITION``) is scored whole: the policy does
