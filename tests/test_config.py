@@ -510,6 +510,7 @@ README_OPTION_LABELS = {
     "DefensiveKV": ["defensivekv", "layer_defensivekv"],
     "random": ["random"],
     "learned": ["learned"],
+    "KVzip": ["kvzip"],
 }
 
 

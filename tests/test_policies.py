@@ -234,7 +234,7 @@ def test_streamingllm_dense_sequence():
 
 def test_policy_registry():
     assert sorted(POLICIES) == [
-        "criticalkv", "defensivekv", "expected_attention", "h2o", "keydiff", "knorm",
+        "criticalkv", "defensivekv", "expected_attention", "h2o", "keydiff", "knorm", "kvzip",
         "layer_defensivekv", "learned", "momentkv", "pyramidkv", "random", "snapkv", "streamingllm",
         "tova",
     ]

@@ -59,7 +59,8 @@ def print_policies() -> None:
     print("\nPolicies and their options (policy_options; default values):")
     for name in sorted(POLICIES):
         options = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items())
-        print(f"  {name}: {options or '(no options)'}")
+        where = " (kvevict eval --engine reference only)" if POLICIES[name].needs_reconstruction else ""
+        print(f"  {name}: {options or '(no options)'}{where}")
     from vllm_kvevict.paths import shipped_configs
 
     print("\nShipped configs (--kv-eviction-config NAME; kvevict eval/bench/soak --setting NAME@...):")

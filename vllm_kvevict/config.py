@@ -108,9 +108,9 @@ class EvictionConfig(BaseModel):
         "head_budget_floor of an equal share) or pyramid (PyramidKV: the request keeps budget "
         "x layers x KV heads tokens, each layer a share falling linearly with depth, split "
         "equally over its heads; the default for pyramidkv) or global (policies whose scores "
-        "share one scale across layers, learned (DBTrimKV), defensivekv and layer_defensivekv: "
-        "the request keeps budget x layers x KV heads tokens, the highest-scoring across every "
-        "layer and head; the default for learned and layer_defensivekv); adaptive, pyramid and "
+        "share one scale across layers, learned (DBTrimKV), defensivekv, layer_defensivekv and "
+        "kvzip: the request keeps budget x layers x KV heads tokens, the highest-scoring across every "
+        "layer and head; the default for learned, layer_defensivekv and kvzip); adaptive, pyramid and "
         "global need storage head_pages",
     )
     head_budget_floor: float = Field(
@@ -223,6 +223,14 @@ class EvictionConfig(BaseModel):
                 f"{self.policy!r}{' with moment_correction' if self.moment_correction else ''} "
                 "needs more: use head_budget 'adaptive' or 'uniform', or a query- or key-based "
                 "policy (snapkv, pyramidkv, knorm, keydiff, tova, h2o, streamingllm, random)"
+            )
+        if policy.needs_reconstruction and (
+            self.prefill_mode != "end_of_prompt" or self.head_budget != "global"
+        ):
+            raise ValueError(
+                f"policy {self.policy!r} scores the whole prompt once it has run (a second pass "
+                "of the model repeats it) and ranks every layer and KV head at once; set "
+                "prefill_mode 'end_of_prompt' and head_budget 'global' (its defaults)"
             )
         if policy.needs_log_beta and self.head_budget != "global":
             raise ValueError(
@@ -454,10 +462,21 @@ def build_config(data: dict[str, Any]) -> EvictionConfig:
     return config
 
 
+def check_served(config: EvictionConfig) -> None:
+    """Refuse (:class:`KVEvictionConfigError`, naming the fix) a config the
+    vLLM plugin cannot serve: a policy scored by a pass that only the
+    reference decoder runs (kvzip's reconstruction)."""
+    if config.build_policy().needs_reconstruction:
+        raise KVEvictionConfigError(
+            f"{config.policy} is scored by the reference evaluation only: use kvevict eval "
+            "--engine reference"
+        )
+
+
 def config_from_cli(policy: str | None, config_source: str | None) -> EvictionConfig | None:
     """Combine ``--kv-eviction`` and ``--kv-eviction-config``; a config that
     names another policy than the flag is refused (its settings were meant
-    for that policy)."""
+    for that policy), as is one the plugin cannot serve (:func:`check_served`)."""
     if policy is None and config_source is None:
         return None
     data = parse_config_source(config_source) if config_source is not None else {}
@@ -475,26 +494,29 @@ def config_from_cli(policy: str | None, config_source: str | None) -> EvictionCo
             "--kv-eviction-config names no policy; add --kv-eviction POLICY "
             f"(one of: {', '.join(sorted(POLICIES))})"
         )
-    return build_config(data)
+    config = build_config(data)
+    check_served(config)
+    return config
 
 
 def config_from_additional(additional_config: dict[str, Any] | None) -> EvictionConfig | None:
     """The eviction config carried by a ``VllmConfig``, or None when eviction is off.
 
-    Every call in a process with the same settings returns the same object."""
+    Every call in a process with the same settings returns the same object;
+    a config the plugin cannot serve is refused (:func:`check_served`)."""
     if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
         return None
     data = additional_config[ADDITIONAL_CONFIG_KEY]
-    if isinstance(data, EvictionConfig):
-        return data
     if isinstance(data, str):
         data = parse_config_source(data)
-    if not isinstance(data, dict):
+    if not isinstance(data, (dict, EvictionConfig)):
         raise KVEvictionConfigError(
             'additional_config["kv_eviction"] must be a mapping such as '
             '{"policy": "snapkv", "budget": 512}'
         )
-    return build_config(data)
+    config = data if isinstance(data, EvictionConfig) else build_config(data)
+    check_served(config)
+    return config
 
 
 def help_text() -> str:

@@ -8,7 +8,10 @@ prompt before its eviction, so the prompt is run once
 that state and decodes (:meth:`~ReferenceEvictingDecoder.continue_from`,
 token for token what its own prefill gives: ``tests/test_reference_decoder.py``).
 A policy study of ten settings then costs one prefill and ten short decodes
-per sample instead of ten served prefills. The other settings (``per_chunk``
+per sample instead of ten served prefills. KVzip (``kvzip``, scored by this
+engine only) runs its reconstruction pass from the shared prefill's state,
+once per sample for every kvzip setting with the same sinks, recent window
+and chunking; its seconds count in the first such setting's. The other settings (``per_chunk``
 eviction, the learned policy's gates) evict inside the prompt, so each runs
 its own chunked prefill (:meth:`~ReferenceEvictingDecoder.generate`, chunks
 of 512 tokens as the servers' ``--max-num-batched-tokens``) on a decoder of
@@ -53,7 +56,8 @@ def shares_prompt(config: Any) -> bool:
     """Whether a setting continues from the shared full-cache prefill: it evicts
     once, at the end of the prompt, and needs nothing computed during the
     prompt but its keys, values and last queries (the learned policy's gates
-    read every layer's input as the prompt runs)."""
+    read every layer's input as the prompt runs; kvzip's pass runs after the
+    prompt, from its full cache, so it shares it)."""
     if config is None:
         return True
     policy = config.build_policy()

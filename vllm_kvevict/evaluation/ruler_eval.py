@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--server-args: {exc}; quote it as one shell string")
     block_size = int(flag_value(server_args, "--block-size") or DEFAULT_BLOCK_SIZE)
     settings = parse_settings(parser, args.setting or list(DEFAULT_SETTINGS), args.kv_eviction_config,
-                              block_size)
+                              block_size, served=args.engine == "serve")
     names = [s.name for s in settings]
     for name in {n for pair in args.compare for n in pair} - set(names):
         parser.error(f"--compare {name}: not a setting of this run ({', '.join(names)})")

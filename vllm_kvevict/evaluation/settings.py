@@ -189,14 +189,25 @@ def add_kv_eviction_config_argument(
 
 
 def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], options_source: str | None,
-                   block_size: int = DEFAULT_BLOCK_SIZE, unbounded: bool = False) -> list[ServingSetting]:
+                   block_size: int = DEFAULT_BLOCK_SIZE, unbounded: bool = False,
+                   served: bool = True) -> list[ServingSetting]:
     """The ``--setting`` specs of a command, with ``--kv-eviction-config``'s
     options in every eviction setting, each checked as far as it can be before
     the prompts exist; a mistake ends the command through ``parser.error``.
-    ``unbounded``: the command sizes a pool for ``full-unbounded`` (bench)."""
+    ``unbounded``: the command sizes a pool for ``full-unbounded`` (bench).
+    ``served``: the settings go to vLLM servers, which refuse a policy that
+    only the reference decoder scores (kvzip)."""
+    from vllm_kvevict.config import build_config, check_served
+
     try:
         options = eviction_options(options_source) if options_source else {}
         settings = [parse_setting(spec, options, block_size) for spec in specs]
+        for setting in settings:
+            if served and setting.eviction is not None:
+                try:
+                    check_served(build_config({**setting.eviction, "budget": 1 << 16}))
+                except ValueError as exc:
+                    raise ValueError(f"setting {setting.name}: {exc}") from None
     except ValueError as exc:  # KVEvictionConfigError included
         parser.error(str(exc))
     if not unbounded and any(s.unbounded for s in settings):

@@ -12,6 +12,7 @@ from vllm_kvevict.policies.expected_attention import ExpectedAttentionPolicy
 from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.keydiff import KeyDiffPolicy
 from vllm_kvevict.policies.knorm import KnormPolicy
+from vllm_kvevict.policies.kvzip import KVzipPolicy
 from vllm_kvevict.policies.momentkv import MomentKVPolicy
 from vllm_kvevict.policies.options import build_with_options, option_fields
 from vllm_kvevict.policies.pyramidkv import PyramidKVPolicy
@@ -26,7 +27,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     for cls in (
         StreamingLLMPolicy, SnapKVPolicy, KeyDiffPolicy, KnormPolicy, TOVAPolicy, MomentKVPolicy,
         ExpectedAttentionPolicy, CriticalKVPolicy, H2OPolicy, RandomPolicy, LearnedRetentionPolicy,
-        PyramidKVPolicy, DefensiveKVPolicy, LayerDefensiveKVPolicy,
+        PyramidKVPolicy, DefensiveKVPolicy, LayerDefensiveKVPolicy, KVzipPolicy,
     )
 }
 
@@ -54,6 +55,7 @@ __all__ = [
     "ExpectedAttentionPolicy",
     "H2OPolicy",
     "KeyDiffPolicy",
+    "KVzipPolicy",
     "KnormPolicy",
     "LayerDefensiveKVPolicy",
     "LearnedRetentionPolicy",

@@ -23,6 +23,8 @@ Shapes (one request, one layer)::
                      the window queries (SnapKV's votes), when the engine
                      computed them for every request at once
                      (reads_window_votes), or None
+    reconstruction   [H, S] fp32 each token's attention while the model
+                     repeated the prompt (kvzip), or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -70,6 +72,7 @@ class ScoringInputs:
     log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
     step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
     window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
+    reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -103,6 +106,9 @@ class ScoringInputs:
             log_beta=self.log_beta[h : h + 1, tokens] if self.log_beta is not None else None,
             step=self.step,
             window_votes=self.window_votes[h : h + 1, tokens] if self.window_votes is not None else None,
+            reconstruction=(
+                self.reconstruction[h : h + 1, tokens] if self.reconstruction is not None else None
+            ),
         )
 
 
@@ -139,6 +145,11 @@ class EvictionPolicy(ABC):
     layer at once (the Triton window-score kernel) passes them, and the
     policy then reads no queries and splits no layer by head. Without them
     it computes the same votes from the queries."""
+    needs_reconstruction: ClassVar[bool] = False
+    """Scores with the attention each token received while the model repeated
+    the prompt (:mod:`kvzip`), passed as ``reconstruction``: computed by an
+    extra pass of the model after the prompt, which the reference decoder
+    runs and the served path does not."""
     scores_ragged_heads: ClassVar[bool] = False
     """A layer whose heads hold different numbers of tokens (each row's real
     tokens first, then ``PADDING_POSITION``) is scored whole: the policy does

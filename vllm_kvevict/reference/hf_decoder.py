@@ -21,7 +21,7 @@ queries/keys/values, appends them to our own store keyed by
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ class _LayerStore:
     values: torch.Tensor | None = None  # [H, S, D]
     positions: torch.Tensor | None = None  # [H, S] int64, sorted per head
     log_beta: torch.Tensor | None = None  # [H, S] fp32, the learned policy's gate output
+    # [H, S] fp32, kvzip's reconstruction scores (+inf for tokens written after
+    # the reconstruction pass: generated tokens are always kept)
+    reconstruction: torch.Tensor | None = None
     query_history: torch.Tensor | None = None  # [Hq, t, D] post-RoPE
     query_positions: torch.Tensor | None = None  # [t] int64, sorted
     # head_pages storage: heads hold different numbers of tokens; shorter heads
@@ -77,11 +80,29 @@ class _Step:
 class PromptState:
     """A prompt run once on the full cache (:meth:`ReferenceEvictingDecoder.run_prompt`):
     every layer's keys, values and last queries, and the first greedy token,
-    from which any end-of-prompt eviction setting continues."""
+    from which any end-of-prompt eviction setting continues. ``prompt_ids``
+    let kvzip's reconstruction pass run from the state; its scores are kept
+    in ``reconstructions`` (per layer, by the settings they depend on) for
+    the next kvzip setting on the same prompt."""
 
     prompt_len: int
     first_token: int
     layers: tuple[_LayerStore, ...]
+    prompt_ids: tuple[int, ...] = ()
+    reconstructions: dict[tuple[int, ...], list[torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+
+@dataclass(frozen=True)
+class _Reconstruction:
+    """The kvzip pass being run: the repeat input of the chunk at positions
+    ``[start, end)``, scored against the ``sink`` first keys, the chunk's
+    and its own."""
+
+    sink: int
+    start: int
+    end: int
 
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -151,6 +172,7 @@ class ReferenceEvictingDecoder:
             str(model_dir), dtype=dtype, attn_implementation=self._attn_name
         )
         self.model.eval()
+        self.model_dir = str(model_dir)
         self.num_layers: int = self.model.config.num_hidden_layers
 
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -179,6 +201,9 @@ class ReferenceEvictingDecoder:
         self._layers: list[_LayerStore] = []
         self._step: _Step | None = None
         self._whole_prompt_queries: int | None = None  # run_prompt: queries kept per layer
+        self._reconstructing: _Reconstruction | None = None  # kvzip's pass
+        self._repeat_prompt: Any = None  # kvzip's RepeatPrompt, from the model's tokenizer
+        self._prompt_ids: list[int] = []
         self.retained_positions: list[torch.Tensor] = []
         self.processed_tokens: int = 0
 
@@ -210,6 +235,7 @@ class ReferenceEvictingDecoder:
             raise ValueError("prompt_ids must not be empty")
         # A fresh store per request makes the decoder reusable across prompts.
         self._layers = [_LayerStore() for _ in range(self.num_layers)]
+        self._prompt_ids = list(prompt_ids)
         self.retained_positions = []
         self.processed_tokens = 0
         if max_new_tokens <= 0:
@@ -281,7 +307,7 @@ class ReferenceEvictingDecoder:
             self._step = None
             self._whole_prompt_queries = None
         first = int(torch.argmax(output.logits[0, -1].float()))
-        return PromptState(prompt_len, first, tuple(self._layers))
+        return PromptState(prompt_len, first, tuple(self._layers), tuple(prompt_ids))
 
     @torch.inference_mode()
     def continue_from(
@@ -308,7 +334,7 @@ class ReferenceEvictingDecoder:
             for index, store in enumerate(self._layers):
                 module = self.model.model.layers[index].self_attn
                 assert store.query_history is not None and store.query_positions is not None
-                if store.query_history.shape[1] < min(window, prompt_len):
+                if self.policy.needs_queries and store.query_history.shape[1] < min(window, prompt_len):
                     raise ValueError(
                         f"run_prompt kept {store.query_history.shape[1]} queries; observation_window "
                         f"{window} needs them all (run_prompt(..., keep_queries={window}))"
@@ -317,6 +343,8 @@ class ReferenceEvictingDecoder:
                     self._evict(store, step, float(module.scaling), self._model_parts(module))
                 self._trim_queries(store, prompt_len)
             if config.pools_layers:
+                if self.policy.needs_reconstruction and self._evicts_at(step):
+                    self._reconstruction_from(state)
                 self._evict_global(step)
         return self._decode([state.first_token], state.prompt_len, max_new_tokens, stop_at_eos)
 
@@ -335,7 +363,11 @@ class ReferenceEvictingDecoder:
                 logits_to_keep=1,
             )
             if self.config is not None and self.config.pools_layers:
-                self._evict_global(self._step)
+                step = self._step
+                if (self.policy.needs_reconstruction and n_after == prompt_len
+                        and self._evicts_at(step)):
+                    self._reconstruct(self._prompt_ids)
+                self._evict_global(step)
         finally:
             self._step = None
         return output.logits[0, -1].float()
@@ -366,6 +398,8 @@ class ReferenceEvictingDecoder:
             raise ValueError("the reference decoder runs one request (batch size 1)")
         scale = float(module.scaling if scaling is None else scaling)
         store = self._layers[module.layer_idx]
+        if self._reconstructing is not None:
+            return self._attend_reconstruction(query, key, value, store, scale), None
 
         q = query[0]  # [Hq, T, D]
         num_kv_heads = key.shape[1]
@@ -391,6 +425,9 @@ class ReferenceEvictingDecoder:
         if self.gates is not None:
             log_beta = self._pending_log_beta.pop(module.layer_idx).float()  # [T, H]
             store.log_beta = _cat(store.log_beta, log_beta.T, dim=1)
+        if store.reconstruction is not None:  # written after kvzip's pass: always kept
+            written = torch.full((num_kv_heads, step_pos.numel()), float("inf"))
+            store.reconstruction = _cat(store.reconstruction, written, dim=1)
         self._scale = scale
 
         if self.config is not None and self.config.moment_correction:
@@ -466,6 +503,105 @@ class ReferenceEvictingDecoder:
                 z_r = z_r + z_e
             out[j] = numerator / z_r
         return out.float()
+
+    # ------------------------------------------- kvzip's reconstruction pass
+
+    def _evicts_at(self, step: _Step) -> bool:
+        """Whether ``step`` ends at an eviction point that moves the frontier."""
+        assert self.schedule is not None
+        reached = self._eviction_point(step)
+        return reached is not None and reached[1] > self.schedule.frontier(step.n_before, step.prompt_len)
+
+    def _reconstruction_from(self, state: PromptState) -> None:
+        """kvzip's scores on the prompt of ``state`` into every layer's store
+        (``self._layers``, copies of the state's full cache): computed once
+        per state and (sink, recent window, chunk, anchor) settings."""
+        assert self.config is not None
+        policy = self.policy
+        key = (self.config.sink_tokens, self.config.recent_window, policy.chunk_size, policy.anchor_tokens)
+        if key not in state.reconstructions:
+            if len(state.prompt_ids) != state.prompt_len:
+                raise ValueError("kvzip repeats the prompt, and this PromptState holds no prompt ids")
+            state.reconstructions[key] = self._reconstruct(list(state.prompt_ids))
+        for store, scores in zip(self._layers, state.reconstructions[key], strict=True):
+            store.reconstruction = scores
+
+    @torch.inference_mode()
+    def _reconstruct(self, prompt_ids: list[int]) -> list[torch.Tensor]:
+        """KVzip's context reconstruction (:mod:`~vllm_kvevict.policies.kvzip`)
+        on the full cache of the whole prompt that every layer's store holds:
+        the model (without its LM head) runs each chunk's repeat input at the
+        positions after the prompt, attending to the whole cache and itself;
+        nothing it computes is stored but each layer's scores, Eq. (2), of
+        the chunk's tokens, computed layer by layer inside the attention
+        call. Sets and returns every layer's ``reconstruction [H, P]``
+        (0 outside the chunks: the sinks and the recent window, which are
+        kept anyway)."""
+        from vllm_kvevict.policies.kvzip import RepeatPrompt, reconstruction_inputs
+
+        assert self.config is not None and self.policy is not None
+        prompt_len = len(prompt_ids)
+        sink = min(self.config.sink_tokens, prompt_len)
+        end = max(sink, prompt_len - self.config.recent_window)
+        if self._repeat_prompt is None:
+            from transformers import AutoTokenizer
+
+            self._repeat_prompt = RepeatPrompt.from_tokenizer(AutoTokenizer.from_pretrained(self.model_dir))
+        full = torch.arange(prompt_len)
+        for store in self._layers:
+            assert store.keys is not None and store.positions is not None
+            if store.positions.shape[1] != prompt_len or not bool((store.positions == full).all()):
+                raise AssertionError("kvzip's pass needs the whole prompt's cache in every head")
+            store.reconstruction = torch.zeros(store.positions.shape, dtype=torch.float32)
+        saved = self._step
+        device = self.model.device
+        try:
+            for start, stop, input_ids in reconstruction_inputs(
+                prompt_ids, sink, end, self._repeat_prompt, self.policy.chunk_size,
+                self.policy.anchor_tokens,
+            ):
+                positions = torch.arange(prompt_len, prompt_len + len(input_ids), device=device)
+                self._step = _Step(prompt_len, prompt_len + len(input_ids), prompt_len, positions)
+                self._reconstructing = _Reconstruction(sink, start, stop)
+                self.model.model(
+                    input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
+                    position_ids=positions[None], use_cache=False,
+                )
+        finally:
+            self._step = saved
+            self._reconstructing = None
+        return [store.reconstruction for store in self._layers]
+
+    def _attend_reconstruction(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: _LayerStore,
+        scale: float, rows: int = 512,
+    ) -> torch.Tensor:
+        """One layer of a kvzip pass: the chunk's scores into the store, and
+        the repeat input's attention over the whole cached prompt and itself
+        (causal), ``rows`` queries at a time, returned as transformers expects
+        (``[1, T, Hq, D]``). The store's keys and values stay as they were."""
+        from vllm_kvevict.policies.kvzip import reconstruction_scores
+
+        task = self._reconstructing
+        assert task is not None and store.keys is not None and store.values is not None
+        assert store.reconstruction is not None
+        q, k, v = query[0], key[0], value[0]  # [Hq, n, D], [H, n, D]
+        store.reconstruction[:, task.start : task.end] = reconstruction_scores(
+            q, store.keys[:, : task.sink], store.keys[:, task.start : task.end], k, scale
+        ).to(store.reconstruction.device)
+        prompt_len, num_in = store.keys.shape[1], q.shape[1]
+        keys = torch.cat([store.keys, k], dim=1).float()[None]
+        values = torch.cat([store.values, v], dim=1).float()[None]
+        out = torch.empty(1, q.shape[0], num_in, q.shape[2], dtype=torch.float32, device=q.device)
+        for a in range(0, num_in, rows):
+            b = min(a + rows, num_in)
+            visible = torch.ones(b - a, prompt_len + num_in, dtype=torch.bool, device=q.device)
+            visible[:, prompt_len:] = torch.arange(num_in, device=q.device)[None, :] <= torch.arange(
+                a, b, device=q.device)[:, None]
+            out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, a:b].float(), keys, values, attn_mask=visible, scale=scale, enable_gqa=True,
+            )
+        return out.transpose(1, 2).to(query.dtype)
 
     # ---------------------------------------------------------------- eviction
 
@@ -665,13 +801,20 @@ class ReferenceEvictingDecoder:
             assert store.keys is not None and store.values is not None and store.positions is not None
             if not self.policy.needs_log_beta:  # no gates: log β unused
                 store.log_beta = torch.zeros(store.positions.shape, dtype=torch.float32)
+            if not self.policy.needs_reconstruction:  # no kvzip pass: unused
+                store.reconstruction = torch.zeros(store.positions.shape, dtype=torch.float32)
+            elif store.reconstruction is None:
+                # Raised here: the selection would keep sinks and recent tokens instead.
+                raise RuntimeError("kvzip evicts with its reconstruction scores, and none were computed")
             taken, live = _live_in_position_order(
-                store.positions, (store.keys, store.values, store.positions, store.log_beta)
+                store.positions,
+                (store.keys, store.values, store.positions, store.log_beta, store.reconstruction),
             )
             queries, query_positions = self._observation_queries(store, point)
             inputs.append(ScoringInputs(
                 keys=taken[0], values=taken[1], key_positions=taken[2], queries=queries,
                 query_positions=query_positions, scale=self._scale, log_beta=taken[3], step=point,
+                reconstruction=taken[4] if self.policy.needs_reconstruction else None,
                 **self._model_parts(self.model.model.layers[index].self_attn),
             ))
             lives.append(live)
@@ -679,7 +822,9 @@ class ReferenceEvictingDecoder:
         num_heads = stores[0].keys.shape[0]
         total_pages = len(stores) * num_heads * (point // bs - frontier // bs)
         counts, kept = choose_kept(self.rule, inputs, lives, point, total_pages, bs)
-        for layer, (store, (keys, values, positions, log_beta)) in enumerate(zip(stores, gathered)):
+        for layer, (store, (keys, values, positions, log_beta, reconstruction)) in enumerate(
+            zip(stores, gathered)
+        ):
             rows = slice(layer * num_heads, (layer + 1) * num_heads)
             layer_counts, layer_kept = counts[rows], kept[rows]
             new_width = max(int(layer_counts.max()), 1)
@@ -687,9 +832,14 @@ class ReferenceEvictingDecoder:
             store.values = values.new_zeros(num_heads, new_width, values.shape[-1])
             store.positions = torch.full((num_heads, new_width), PADDING_POSITION, dtype=torch.int64)
             store.log_beta = torch.zeros(num_heads, new_width)
+            store.reconstruction = (
+                torch.zeros(num_heads, new_width) if self.policy.needs_reconstruction else None
+            )
             for h, count in enumerate(layer_counts.tolist()):
                 index = layer_kept[h, :count]
                 store.keys[h, :count] = keys[h, index]
                 store.values[h, :count] = values[h, index]
                 store.positions[h, :count] = positions[h, index]
                 store.log_beta[h, :count] = log_beta[h, index]
+                if store.reconstruction is not None:
+                    store.reconstruction[h, :count] = reconstruction[h, index]
