@@ -199,23 +199,32 @@ class SoakClient:
             self._fail(kind, repr(exc))
 
     def _stream(self, kind: str, prompt: str, max_tokens: int) -> int | None:
+        """A streamed completion, dropped after a random number of chunks for
+        ``abort``; the tokens it returned, from the usage its last chunk
+        carries (a chunk may hold several tokens: vLLM merges the outputs a
+        slow reader has not taken yet)."""
         drop_after = self.rng.randint(0, max_tokens) if kind == "abort" else None
-        events, finished = 0, False
+        chunks, finished, tokens = 0, False, None
         with self.api.completions.create(
             model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         ) as stream:
             for chunk in stream:
-                events += 1
-                finished = any(choice.finish_reason for choice in chunk.choices)
-                if drop_after is not None and events >= drop_after:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                if not chunk.choices:
+                    continue
+                chunks += 1
+                finished = finished or any(choice.finish_reason for choice in chunk.choices)
+                if drop_after is not None and chunks >= drop_after:
                     with self.lock:
                         self.report.aborted += 1
                     return None  # closing the stream drops the connection
-        if not finished or events != max_tokens:
-            self._fail(kind, f"stream ended after {events} of {max_tokens} tokens")
+        if not finished or tokens != max_tokens:
+            self._fail(kind, f"stream ended after {tokens} of {max_tokens} tokens in {chunks} chunks"
+                             f"{'' if finished else ', no finish_reason'}")
             return None
-        return events
+        return tokens
 
 
 def run_soak(
