@@ -221,6 +221,7 @@ class PrefillRun:
                         self.pool_cache, self.rule, ev, self.rows, self.offsets, self.log_beta_pages,
                         self.block_row, region, frontier, self.scale, self.observer,
                         [observation] * self.shape.layers if observation else None,
+                        [{"rotary": self.rotary, "output_projection": self.projection}] * self.shape.layers,
                     )
                     times.append(time.perf_counter() - started)
                 elif self.storage != "global":
