@@ -447,6 +447,8 @@ def test_every_policy_keeps_its_budget_exactly(name, seed):
     # The learned policy scores with each token's gate output (log β).
     inputs.log_beta = torch.nn.functional.logsigmoid(torch.randn(heads, live, generator=gen) + 4)
     inputs.step = 80
+    # KVzip scores with the attention each token got while the model repeated the prompt.
+    inputs.reconstruction = torch.rand(heads, live, generator=gen)
     policy = make_policy(name)
     kept = policy.select(inputs, 30, 4, 8, point=80)
     assert kept.shape == (heads, 30)

@@ -61,6 +61,13 @@ def print_policies() -> None:
         options = ", ".join(f"{k}={v!r}" for k, v in policy_options(name).items())
         where = " (kvevict eval --engine reference only)" if POLICIES[name].needs_reconstruction else ""
         print(f"  {name}: {options or '(no options)'}{where}")
+    print(
+        "\nWhich policy (RULER needles at 4k on the default model; benchmarks/README.md, "
+        "'DefensiveKV, Layer-DefensiveKV and KVzip'):\n"
+        "  For the most needles kept at 20% of the prompt, layer_defensivekv: its eviction step costs\n"
+        "  more than SnapKV's (CriticalKV-style scores, one ranking of every layer and KV head).\n"
+        "  For the cheapest query-aware eviction step, snapkv; momentkv and criticalkv lie between."
+    )
     from vllm_kvevict.paths import shipped_configs
 
     print("\nShipped configs (--kv-eviction-config NAME; kvevict eval/bench/soak --setting NAME@...):")
