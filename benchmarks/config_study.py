@@ -43,6 +43,18 @@ PAIRS = [
     ("pyramidkv_beta20", "snapkv", "PyramidKV, β 20 (the paper's), against uniform SnapKV"),
     ("pyramidkv", "pyramidkv_beta2", "β 1.5 against 2"),
     ("pyramidkv_beta2", "pyramidkv_beta20", "β 2 against 20"),
+    ("defensivekv", "criticalkv_snapkv", "DefensiveKV's worst-case aggregation against CriticalKV on AdaKV + SnapKV"),
+    ("layer_defensivekv", "defensivekv", "Layer-DefensiveKV: one ranking over every layer against AdaKV per layer"),
+    ("layer_defensivekv", "momentkv", "Layer-DefensiveKV against MomentKV"),
+    ("layer_defensivekv", "snapkv", "Layer-DefensiveKV against uniform SnapKV"),
+    ("full", "layer_defensivekv", "the full cache against Layer-DefensiveKV: what is left to close"),
+    ("full", "snapkv", "the full cache against uniform SnapKV"),
+    ("kvzip", "snapkv", "KVzip (reference evaluation only) against uniform SnapKV"),
+    ("kvzip", "layer_defensivekv", "KVzip against Layer-DefensiveKV"),
+    ("kvzip", "full", "KVzip against the full cache"),
+    ("defensivekv_per_chunk", "defensivekv", "DefensiveKV evicting per prompt chunk (query-agnostic) against once at the end"),
+    ("layer_defensivekv_per_chunk", "layer_defensivekv", "Layer-DefensiveKV per prompt chunk against once at the end"),
+    ("layer_defensivekv_per_chunk", "snapkv", "Layer-DefensiveKV per prompt chunk (query-agnostic) against SnapKV at the end"),
     # Configs that evict after every prompt chunk and build on no other
     # selection: against SnapKV (the end-of-prompt selection) for scale.
     ("learned", "snapkv", "learned global eviction (shipped gates, per chunk): no base; SnapKV for scale"),
@@ -59,6 +71,11 @@ def fraction_of(folder: Path) -> tuple[str, list]:
     if len(fractions) != 1:
         raise SystemExit(f"{folder}: expected one kept fraction, found {sorted(fractions) or 'none'}")
     return fractions.pop(), records
+
+
+def named(name: str, fraction: str) -> str:
+    """A setting's name in the records: ``NAME@F``, or ``full`` alone."""
+    return name if name == "full" else f"{name}@{fraction}"
 
 
 def cell(records: list, a: str, b: str) -> str:
@@ -80,7 +97,7 @@ def main() -> None:
     print(f"| A | B | isolates | {head} |")
     print("|---|---|---|" + "---|" * len(runs))
     for a, b, what in PAIRS:
-        cells = " | ".join(cell(records, f"{a}@{f}", f"{b}@{f}") for f, records in runs)
+        cells = " | ".join(cell(records, named(a, f), named(b, f)) for f, records in runs)
         print(f"| {a} | {b} | {what} | {cells} |")
     print()
     names = list(dict.fromkeys(r.setting.rsplit("@", 1)[0] for _, records in runs for r in records))
@@ -89,7 +106,7 @@ def main() -> None:
     for name in names:
         cells = []
         for f, records in runs:
-            setting = name if name == "full" else f"{name}@{f}"
+            setting = named(name, f)
             found = summarize([r for r in records if r.setting == setting], [setting])
             cells.append(f"{found[0].samples}: {found[0].mean_interval.format(1)}" if found else "not run")
         print(f"| {name} | " + " | ".join(cells) + " |")
