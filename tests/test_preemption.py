@@ -330,10 +330,13 @@ def test_aborts_and_early_stops_free_every_block_and_row(engine, tokenizer):
         _add(core, f"several{i}", _short_prompt(tokenizer, rng.randint(10000, 99999)), max_tokens=60)
         several[f"several{i}"] = rng.randint(1, 40)
     assert _drive(core, several) == several
-    # A stop string: a word from the middle of the known greedy answer.
+    # A stop string: the last characters of the known greedy answer's first 21
+    # tokens, so the request stops by its 21st token whatever the answer's words
+    # (a needle answer can be one run of digits, whose only word ends at token 42).
     text = expected.outputs[0].text
-    words = [w for w in text.split() if len(w) >= 3]
-    stop = words[len(words) // 2]
+    head = tokenizer.decode(expected.outputs[0].token_ids[:21])
+    assert text.startswith(head) and head.strip(), (head, text)
+    stop = head[-4:]
     (stopped,) = llm.generate(
         [{"prompt_token_ids": prompt}],
         SamplingParams(max_tokens=42, temperature=0, ignore_eos=True, stop=[stop]),
