@@ -85,33 +85,26 @@ def reconstruction_inputs(
 
 
 def reconstruction_scores(
-    queries: torch.Tensor, sink_keys: torch.Tensor, chunk_keys: torch.Tensor,
-    own_keys: torch.Tensor, scale: float,
+    sink_probs: torch.Tensor, chunk_probs: torch.Tensor, own_probs: torch.Tensor
 ) -> torch.Tensor:
     """Eq. (2) on one layer for one chunk, ``[H, m]`` fp32: each chunk key's
     largest attention from the ``G`` query heads of its KV head and the
-    ``n`` repeat tokens.
+    repeat tokens, from the pass's own attention probabilities (fp32, the
+    softmax over the whole cache and the input, causal):
+    ``sink_probs [H, G, n, s]``, ``chunk_probs [H, G, n, m]``,
+    ``own_probs [H, G, n, n']``, for ``n`` of the repeat tokens (the maximum
+    over the others is taken by the caller, row block by row block).
 
     The softmax is the original code's local one (attention/score.py): over
     ``K̄ = [sink_keys, chunk_keys, own_keys]`` alone, the always-kept first
-    keys, the chunk's and the repeat input's own (causal among them), though
-    the pass itself attends to the whole cache. ``queries [Hq, n, D]``
-    post-RoPE, ``sink_keys [H, s, D]``, ``chunk_keys [H, m, D]``,
-    ``own_keys [H, n, D]``; ``scale`` the model's attention scale. In fp32,
-    one KV head at a time (``G · n · (s + m + n)`` logits at once).
+    keys, the chunk's and the repeat input's own, though the pass itself
+    attends to the whole cache. It is the pass's probabilities renormalised
+    over ``K̄`` (``p_i / Σ_{j∈K̄} p_j = exp(l_i) / Σ_{j∈K̄} exp(l_j)``), so no
+    logit is exponentiated twice.
     """
-    num_kv_heads, num_chunk, _ = chunk_keys.shape
-    group = queries.shape[0] // num_kv_heads
-    num_sink, num_in = sink_keys.shape[1], own_keys.shape[1]
-    future = torch.ones(num_in, num_in, dtype=torch.bool, device=queries.device).triu(1)
-    scores = torch.empty(num_kv_heads, num_chunk, dtype=torch.float32, device=queries.device)
-    for h in range(num_kv_heads):
-        keys = torch.cat([sink_keys[h], chunk_keys[h], own_keys[h]]).float()  # K̄ [s + m + n, D]
-        logits = queries[h * group : (h + 1) * group].float() @ keys.T * scale  # [G, n, s + m + n]
-        logits[..., num_sink + num_chunk :].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)[..., num_sink : num_sink + num_chunk]
-        scores[h] = probs.amax(dim=(0, 1))
-    return scores
+    local = sink_probs.sum(-1) + chunk_probs.sum(-1) + own_probs.sum(-1)  # [H, G, n], > 0: own_probs holds the diagonal
+    tiny = torch.finfo(chunk_probs.dtype).tiny
+    return (chunk_probs / local.clamp(min=tiny)[..., None]).amax(dim=(1, 2))
 
 
 @dataclass
