@@ -275,6 +275,48 @@ def test_window_votes_for_every_request_keep_what_head_by_head_scoring_keeps(poo
             assert torch.equal(a.lens, b.lens)
 
 
+@pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
+def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation) -> None:
+    """The requests of a step evicted as one batch, each at its own point
+    with its own budget, some compacting for the first time while others
+    compact again, keep, write and record what SnapKV attending head by head
+    keeps for each request alone."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    budgets = [48, 64, 96, 64, 32, 80]
+    firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
+    seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
+    voted = KeepRule(SnapKVPolicy(kernel_size=7), allocation, SINKS, RECENT)
+    head_by_head = KeepRule(HeadByHeadSnapKV(kernel_size=7), allocation, SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def point(requests: Requests, r: int, at: int, last: int) -> LayerEviction:
+        cut = lambda p: (p - budgets[r]) // BLOCK * BLOCK if p else 0  # noqa: E731
+        ev = EvictionPoint(
+            f"r{r}", r, r, r, at - 1, last, cut(last), at, cut(at), at, compacts=True, region_start=last,
+        )
+        return LayerEviction(ev, requests.rows[r][0], requests.block_rows[r], requests.scoring_inputs(r, ev))
+
+    steps = [  # (request, point, last point)
+        [(r, firsts[r], 0) for r in (0, 1, 2, 3)],
+        [(0, seconds[0], firsts[0]), (4, firsts[4], 0), (2, seconds[2], firsts[2]), (5, firsts[5], 0),
+         (3, seconds[3], firsts[3])],
+    ]
+    for step in steps:
+        batch = compact_head_pages_many(
+            together.cache, voted, [point(together, r, at, last) for r, at, last in step], 0, observer
+        )
+        for (r, at, last), counts in zip(step, batch):
+            (want,) = compact_head_pages_many(alone.cache, head_by_head, [point(alone, r, at, last)], 0, observer)
+            assert counts.tolist() == want.tolist(), (r, at, last)
+    assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
+    for rows_together, rows_alone in zip(together.rows, alone.rows):
+        for a, b in zip(rows_together, rows_alone):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
+            assert torch.equal(a.lens, b.lens)
+
+
 def test_the_counter_sees_every_kind_of_host_read() -> None:
     """What the counter counts as a host read, and what it does not."""
     t = torch.arange(6)

@@ -11,6 +11,7 @@ from vllm_kvevict.eviction.allocation import (
     PyramidAllocation,
     UniformAllocation,
     allocate_head_tokens,
+    allocate_request_tokens,
     global_top_b,
     pyramid_layer_budgets,
     round_to_pages,
@@ -414,3 +415,28 @@ def test_a_failing_policy_falls_back_to_sinks_and_recent_tokens():
         assert fallbacks == ["ZeroDivisionError"], head_budget
         assert torch.equal(counts, expected_counts) and torch.equal(kept, expected), head_budget
         assert int(counts.sum()) <= total * size
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(
+    "allocation", [UniformAllocation(), AdaKVAllocation(0.2), AdaKVAllocation(0.9)], ids=["uniform", "adakv", "adakv-0.9"]
+)
+def test_requests_split_together_as_each_alone(seed, allocation):
+    """Several requests' layers split at once (each its own pages, floor and
+    ragged heads) give each request what :func:`allocate_head_tokens` gives
+    it alone."""
+    gen = torch.Generator().manual_seed(seed + 1000 * int(torch.randint(0, 1000, ())))
+    requests, heads, width = int(torch.randint(1, 6, (1,), generator=gen)), 4, 64
+    page = int(torch.tensor([1, 4, 8])[torch.randint(0, 3, (1,), generator=gen)])
+    rows = [_random_scores(gen, heads, width, protected=int(torch.randint(0, 5, (1,), generator=gen)))[0]
+            for _ in range(requests)]
+    # Heads on very different scales, so the floors bind.
+    rows = [row * torch.tensor([[1.0], [100.0], [0.01], [1.0]]) for row in rows]
+    total_pages = [int(torch.randint(1, heads * width // page // 2 + 1, (1,), generator=gen)) for _ in rows]
+    floors = [allocation.floor_tokens(pages * page, heads) for pages in total_pages]
+    host = torch.tensor([total_pages, floors])
+    together = allocate_request_tokens(
+        allocation, torch.stack(rows), host[0][:, None], host[1][:, None], total_pages, page
+    )
+    for row, pages, got in zip(rows, total_pages, together):
+        assert got.tolist() == allocate_head_tokens(allocation, row, pages, page).tolist()

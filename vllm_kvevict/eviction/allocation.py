@@ -25,6 +25,8 @@ from vllm_kvevict.top_k import top_k_mask
 @dataclass
 class HeadAllocation(ABC):
     name: ClassVar[str]
+    # Whether :meth:`request_token_counts` splits several requests' layers at once.
+    splits_requests_together: ClassVar[bool] = False
 
     @abstractmethod
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
@@ -41,6 +43,15 @@ class HeadAllocation(ABC):
         """Tokens every head keeps at least (when it has them)."""
         return 0
 
+    def request_token_counts(
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+    ) -> torch.Tensor:
+        """:meth:`token_counts` of ``R`` requests' layers at once: ``scores
+        [R, H, S]``, request ``r`` splitting ``totals[r]`` tokens (``[R, 1]``
+        on the device; ``host_totals``, the same on the host) → ``[R, H]``.
+        Only where :attr:`splits_requests_together`."""
+        raise NotImplementedError(f"{self.name} splits one request at a time")
+
 
 @dataclass
 class UniformAllocation(HeadAllocation):
@@ -48,9 +59,17 @@ class UniformAllocation(HeadAllocation):
 
     name = "uniform"
 
+    splits_requests_together = True
+
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         live = (scores > float("-inf")).sum(-1)
         return live.clamp(max=total // scores.shape[0])
+
+    def request_token_counts(
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+    ) -> torch.Tensor:
+        live = (scores > float("-inf")).sum(-1)
+        return torch.minimum(live, totals // scores.shape[1])
 
 
 @dataclass
@@ -86,6 +105,26 @@ class AdaKVAllocation(HeadAllocation):
         flat = scores.view(1, -1)
         chosen = top_k_mask(flat, total)
         return (chosen & (flat > float("-inf"))).view(num_heads, num_live).sum(-1)
+
+    splits_requests_together = True
+
+    def request_token_counts(
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+    ) -> torch.Tensor:
+        """:meth:`token_counts` of each request, as one top-k over each
+        request's heads (the floors, then the shared budget)."""
+        num_requests, num_heads, num_live = scores.shape
+        scores = scores.float()
+        safe = [self.floor_tokens(total, num_heads) for total in host_totals]
+        if max(safe, default=0) > 0:
+            floors = (totals // num_heads).double().mul(self.floor_fraction).long()  # int(total // H * f)
+            forced = top_k_mask(
+                scores.view(-1, num_live), floors.expand(-1, num_heads).flatten(), at_most=max(safe)
+            ).view_as(scores)
+            scores = scores.masked_fill(forced & (scores > float("-inf")), float("inf"))
+        flat = scores.view(num_requests, -1)
+        chosen = top_k_mask(flat, totals.flatten(), at_most=max(host_totals, default=0))
+        return (chosen & (flat > float("-inf"))).view(num_requests, num_heads, num_live).sum(-1)
 
 
 def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Tensor:
@@ -214,10 +253,13 @@ def round_to_pages(
     counts: torch.Tensor,
     live: torch.Tensor,
     min_tokens: torch.Tensor,
-    total_pages: int,
+    total_pages: int | torch.Tensor,
     page_size: int,
 ) -> torch.Tensor:
     """Whole-page token counts per head: at most ``total_pages`` pages in all.
+
+    ``counts``, ``live``, ``min_tokens``: ``[H]``, or ``[R, H]`` for ``R``
+    requests rounded apart, each to its ``total_pages[r]`` (``[R, 1]``).
 
     Each head gets ``counts // page_size`` pages, at least enough for its
     ``min_tokens`` (what it must keep); the pages left go to the heads with
@@ -231,7 +273,7 @@ def round_to_pages(
     (:func:`~vllm_kvevict.eviction.select.choose_kept` does, with the
     selection's one host read).
     """
-    if _host_rounding and counts.device.type == "cpu":
+    if _host_rounding and counts.device.type == "cpu" and counts.dim() == 1:
         return _round_to_pages_on_host(counts, live, min_tokens, total_pages, page_size)
     need = (min_tokens + (page_size - 1)) // page_size
     pages = torch.minimum(torch.maximum(counts // page_size, need), (live + (page_size - 1)) // page_size)
@@ -240,21 +282,22 @@ def round_to_pages(
     # a tie). In closed form: the heads above some level t end at t + 1 and
     # the first of them at t, where t = floor(L), L the level at which the
     # pages above it are the excess (as in a projection onto a simplex).
+    # Along the last dimension: ``[..., H]`` rows of heads are rounded apart.
     above = pages - need
-    excess = pages.sum() - total_pages
-    ordered = above.sort(descending=True).values
-    room = ordered.cumsum(0) - excess
-    heads = (torch.arange(1, above.numel() + 1, device=above.device) * ordered > room).sum(0, keepdim=True)
+    excess = pages.sum(-1, keepdim=True) - total_pages
+    ordered = above.sort(dim=-1, descending=True).values
+    room = ordered.cumsum(-1) - excess
+    heads = (torch.arange(1, above.shape[-1] + 1, device=above.device) * ordered > room).sum(-1, keepdim=True)
     heads = heads.clamp(min=1)
-    level = room.gather(0, heads - 1) // heads  # above every head when nothing is over
+    level = room.gather(-1, heads - 1) // heads  # above every head when nothing is over
     over = above > level
     lowered = torch.where(over, level + 1, above)
-    first = over & (over.cumsum(0) <= excess - (above - lowered).sum())
+    first = over & (over.cumsum(-1) <= excess - (above - lowered).sum(-1, keepdim=True))
     pages = need + (lowered - first.long()).clamp(min=0)  # never below a minimum
     # Largest remainders first, the earlier head on a tie (a stable sort).
     remainder = (counts - pages * page_size).clamp(min=0)
-    rank = remainder.sort(descending=True, stable=True).indices.argsort()
-    pages = pages + ((rank < total_pages - pages.sum()) & (remainder > 0)).long()
+    rank = remainder.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1)
+    pages = pages + ((rank < total_pages - pages.sum(-1, keepdim=True)) & (remainder > 0)).long()
     return torch.minimum(pages * page_size, live)
 
 
@@ -282,6 +325,24 @@ def _round_to_pages_on_host(
         used += 1
     kept = torch.tensor(pages, dtype=counts.dtype) * page_size
     return torch.minimum(kept, live)
+
+
+def allocate_request_tokens(
+    allocation: HeadAllocation, scores: torch.Tensor, total_pages: torch.Tensor, floors: torch.Tensor,
+    host_pages: list[int], page_size: int,
+) -> torch.Tensor:
+    """:func:`allocate_head_tokens` of ``R`` requests' layers at once
+    (``scores [R, H, S]``; request ``r`` filling ``total_pages[r]`` pages,
+    ``[R, 1]`` on the device, ``host_pages`` the same on the host, each head
+    keeping at least ``floors[r]`` tokens, the allocation's
+    :meth:`~HeadAllocation.floor_tokens`; an allocation that
+    :attr:`~HeadAllocation.splits_requests_together`): ``[R, H]``, each row
+    what the request alone gets."""
+    live = (scores > float("-inf")).sum(-1)
+    protected = (scores == float("inf")).sum(-1)
+    min_tokens = torch.maximum(protected, torch.minimum(live, floors))
+    counts = allocation.request_token_counts(scores, total_pages * page_size, [p * page_size for p in host_pages])
+    return round_to_pages(counts, live, min_tokens, total_pages, page_size)
 
 
 def allocate_head_tokens(

@@ -75,6 +75,19 @@ class CompactsInPlace(Protocol):
         ``moments`` (``[H, ...]`` views; ``None``: dropped). Every read
         happens before every write."""
 
+    def compact_many(
+        self,
+        addresses: torch.Tensor,
+        live_lens: torch.Tensor,
+        kept: torch.Tensor,
+        kept_lens: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        """:meth:`compact` of ``R`` requests at once, their evicted tokens
+        dropped: each argument with a leading ``[R]`` (``addresses
+        [R, H, S]``, ``live_lens [R, H]``, ``kept [R, H, K]``, ``kept_lens
+        [R, H]``, ``page_table [R, H, P]``). Every read before every write."""
+
 
 @runtime_checkable
 class ReadsTokens(Protocol):

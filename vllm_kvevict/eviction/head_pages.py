@@ -31,13 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.eviction.allocation import allocate_request_tokens
 from vllm_kvevict.eviction.cache_ops import (
     CacheOps, CompactsInPlace, CopiesHeads, EvictionObserver, ReadsTokens, Released, ScoresWindows, WritesHeads,
     implements,
 )
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
-from vllm_kvevict.policies.base import PADDING_POSITION, ScoringInputs
+from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.top_k import select_top
 
@@ -269,6 +270,28 @@ def window_votes_many(
     of the cache's window-score kernel for every request and head of the
     layer. Sized on the host from the eviction points and the inputs'
     shapes: nothing is read back."""
+    first = inputs[0]
+    host = torch.tensor(
+        [[i.queries.shape[1] for i in inputs], list(starts), [e.ev.point for e in evictions]],  # type: ignore[union-attr]
+        dtype=torch.int32,
+    ).to(first.keys.device)
+    widths = [i.keys.shape[1] for i in inputs]
+    votes = _window_votes(
+        cache, inputs, host[0], torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
+        torch.stack([e.rows.lens for e in evictions]),  # type: ignore[misc]
+        torch.stack([e.rows.positions for e in evictions]), torch.stack([e.block_row for e in evictions]),
+        host[1], host[2], max(widths),
+    )
+    return [votes[r, :, :width] for r, width in enumerate(widths)]
+
+
+def _window_votes(
+    cache: CacheOps, inputs: Sequence[ScoringInputs], query_lens: torch.Tensor, pages: torch.Tensor,
+    lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor, starts: torch.Tensor,
+    points: torch.Tensor, width: int,
+) -> torch.Tensor:
+    """The votes ``[R, H, width]`` of the requests whose ``inputs`` hold
+    their window queries, the rest stacked per request on the device."""
     assert implements(cache, ScoresWindows)
     first = inputs[0]
     assert first.queries is not None
@@ -277,20 +300,9 @@ def window_votes_many(
     queries = first.queries.new_zeros(len(inputs), num_q_heads, window, head_dim)
     for r, request in enumerate(inputs):
         queries[r, :, : request.queries.shape[1]] = request.queries  # type: ignore[union-attr]
-    host = torch.tensor(
-        [[i.queries.shape[1] for i in inputs], list(starts), [e.ev.point for e in evictions]],  # type: ignore[union-attr]
-        dtype=torch.int32,
-    ).to(first.keys.device)
-    widths = [i.keys.shape[1] for i in inputs]
-    votes = cache.window_votes(
-        queries, host[0],
-        torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
-        torch.stack([e.rows.lens for e in evictions]),  # type: ignore[misc]
-        torch.stack([e.rows.positions for e in evictions]),
-        torch.stack([e.block_row for e in evictions]),
-        host[1], host[2], first.scale, max(widths),
+    return cache.window_votes(
+        queries, query_lens, pages, lens, positions, block_rows, starts, points, first.scale, width
     )
-    return [votes[r, :, :width] for r, width in enumerate(widths)]
 
 
 def compact_head_pages(
@@ -335,6 +347,10 @@ def compact_head_pages_many(
     bs = cache.block_size
     if lengths is None:
         lengths = torch.stack([e.rows.lens for e in evictions]).tolist() if evictions else []
+    if evictions and compacts_together(cache, rule, evictions):
+        together = _compact_together(cache, rule, evictions, layer, observer, lengths)
+        if together is not None:
+            return together
     gathered: list[tuple[LiveTokens, torch.Tensor, int]] = []
     selections: list[Selection] = []
     for eviction, head_lens in zip(evictions, lengths):
@@ -386,3 +402,166 @@ def compact_head_pages_many(
             point_block=eviction.block_row[block : block + 1], point_slots=ev.point % bs,
         ))
     return [counts for counts, _ in chosen]
+
+
+def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
+    """Whether a layer's evictions run as one batch of every request: on a
+    cache that reads by address, compacts in place and computes the window
+    votes (the device path's), for a policy that scores from the votes alone
+    and refines nothing (SnapKV), split by an allocation that splits
+    requests together (uniform, AdaKV), with no moments to fold."""
+    policy = rule.policy
+    return (
+        policy.reads_window_votes
+        and type(policy).refine_scores is EvictionPolicy.refine_scores
+        and rule.allocation.splits_requests_together
+        and implements(cache, ReadsTokens)
+        and implements(cache, CompactsInPlace)
+        and implements(cache, ScoresWindows)
+        and all(e.rows.moments is None for e in evictions)
+    )
+
+
+def _compact_together(
+    cache: CacheOps,
+    rule: KeepRule,
+    evictions: Sequence[LayerEviction],
+    layer: int,
+    observer: EvictionObserver,
+    lengths: Sequence[Sequence[int]],
+) -> list[torch.Tensor] | None:
+    """:func:`compact_head_pages_many` for every request at once: the
+    requests' tokens padded to the longest (``[R, H, S]``), one gather, one
+    call of the window-score kernel, one scoring, one split and one top-k
+    (each request's allocation apart), one compaction launch, the side
+    buffers written with one multi-tensor copy each. Reads the device once
+    (NaN scores, pages used); ``None`` where a request's selection must fall
+    back (a NaN score, more pages than it keeps, a policy that raised), and
+    the caller evicts request by request, which reports and handles it.
+    Besides the host-sized uploads, the work per request is the backend's
+    scoring inputs (its observation queries) and the stacking of its rows."""
+    bs, num_heads = cache.block_size, cache.num_heads
+    points = [e.ev.point for e in evictions]
+    starts = [max(e.ev.region_start, e.ev.protected_prefix) for e in evictions]
+    width = max(max(n, default=0) + p - a for n, p, a in zip(lengths, points, starts))
+    first_kept = [e.ev.frontier_after // bs for e in evictions]
+    kept_blocks = [p // bs - f for p, f in zip(points, first_kept)]
+    total_pages = [n * num_heads for n in kept_blocks]
+    floors = [rule.allocation.floor_tokens(n * bs, num_heads) for n in total_pages]
+    rows = [e.rows for e in evictions]
+    pages = torch.stack([r.pages for r in rows])  # type: ignore[misc]  # [R, H, P]
+    lens = torch.stack([r.lens for r in rows])  # type: ignore[misc]  # [R, H]
+    positions = torch.stack([r.positions for r in rows])  # [R, H, C]
+    block_rows = torch.stack([e.block_row for e in evictions])  # [R, NB]
+    device = pages.device
+    # Each request's window queries, from the backend's scoring inputs (asked
+    # before the gather, its tokens not read yet), so one upload carries
+    # every size the device needs.
+    unread = pages.new_empty(0)
+    windows = [e.scoring_inputs(unread, unread, unread, None) for e in evictions]
+    query_lens = [w.queries.shape[1] for w in windows]  # type: ignore[union-attr]
+    host = torch.tensor(
+        [starts, points, first_kept, kept_blocks, total_pages, floors, query_lens], dtype=torch.int64
+    ).to(device)
+    addresses, live, key_positions = _live_tokens(pages, lens, positions, block_rows, host[0], host[1], width, bs)
+    flat_live = live.flatten(0, 1)
+    keys, values = cache.read_tokens(addresses.flatten(0, 1), flat_live)  # type: ignore[attr-defined]
+    votes = _window_votes(cache, windows, host[6], pages, lens, positions, block_rows, host[0], host[1], width)
+    together = ScoringInputs(
+        keys, values, key_positions.flatten(0, 1), None, None, windows[0].scale, window_votes=votes.flatten(0, 1),
+    )
+    num_requests = len(evictions)
+    policy = rule.policy
+    try:
+        raw = policy.score(together).float()
+    except Exception:  # the request-by-request path reports it and falls back
+        return None
+    point_rows = host[1][:, None].expand(-1, num_heads).reshape(-1, 1)
+    scores = policy.mask_scores(raw, together, rule.sink_tokens, rule.recent_window, point_rows, flat_live)
+    counts = allocate_request_tokens(
+        rule.allocation, scores.view(num_requests, num_heads, width), host[4][:, None], host[5][:, None],
+        total_pages, bs,
+    )
+    used = (counts + (bs - 1)) // bs
+    checks = torch.cat([raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
+    if checks[0] or any(n > total for n, total in zip(checks[1:], total_pages)):
+        return None
+    kept = select_top(scores, counts.flatten(), width=min(width, max(total_pages) * bs))
+    kept = kept.unflatten(0, (num_requests, num_heads))
+    free_pages = _kept_head_pages(block_rows, host[2], host[3], max(kept_blocks), num_heads)
+    page_table = _page_tables_many(free_pages, counts, bs, pages.shape[-1])
+    cache.compact_many(addresses, live.sum(-1), kept.clamp(min=0), counts, page_table)  # type: ignore[attr-defined]
+    # The side buffers: each request's rows are views of its own, one copy for all.
+    torch._foreach_copy_([r.pages for r in rows], list(page_table.to(pages.dtype).unbind(0)))  # type: ignore[misc]
+    columns = min(kept.shape[-1], positions.shape[-1])
+    chosen = key_positions.gather(2, kept[..., :columns].clamp(min=0)).to(positions.dtype)
+    chosen = torch.where(kept[..., :columns] >= 0, chosen, positions[..., :columns])
+    torch._foreach_copy_([r.positions[:, :columns] for r in rows], list(chosen.unbind(0)))
+    torch._foreach_copy_([r.lens for r in rows], list(counts.to(lens.dtype).unbind(0)))  # type: ignore[misc]
+    for r, eviction in enumerate(evictions):
+        ev, block = eviction.ev, eviction.ev.point // bs
+        observer.released(cache, Released(
+            freed_blocks=eviction.block_row[ev.frontier_before // bs : ev.frontier_after // bs],
+            layer=layer, free_pages=free_pages[r, : total_pages[r]], counts=counts[r], page_size=bs,
+            point_block=eviction.block_row[block : block + 1], point_slots=ev.point % bs,
+        ))
+    return list(counts.unbind(0))
+
+
+def _live_tokens(
+    pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
+    starts: torch.Tensor, points: torch.Tensor, width: int, block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`token_addresses` and :func:`gather_live`'s positions for ``R``
+    requests at once, padded to ``width``: ``(addresses, live, positions)``,
+    each ``[R, H, width]``; request ``r``'s standard slots ``[starts[r],
+    points[r])`` after its compacted tokens. Column arithmetic, nothing read back."""
+    num_requests, num_heads, _ = pages.shape
+    bs, device = block_size, pages.device
+    column = torch.arange(width, device=device)[None, None, :]
+    head_lens = lens.to(torch.int64)[..., None]
+    start, point = starts[:, None, None], points[:, None, None]
+    compacted = column < head_lens
+    live = column < head_lens + (point - start)
+    standard = live & ~compacted
+    slot = start + column - head_lens  # a standard column's slot
+    index = torch.minimum(slot.clamp(min=0), (point - 1).clamp(min=0))
+    blocks = block_rows.long().gather(1, (index // bs).flatten(1)).view_as(index)
+    heads = torch.arange(num_heads, device=device)[None, :, None]
+    addresses = torch.where(standard, (blocks * num_heads + heads) * bs + index % bs, 0)
+    key_positions = torch.where(standard, slot, PADDING_POSITION)
+    if pages.shape[-1] and positions.shape[-1]:
+        in_pages = column.clamp(max=pages.shape[-1] * bs - 1) // bs
+        page = pages.long().gather(2, in_pages.expand(num_requests, num_heads, -1))
+        addresses = torch.where(compacted, page * bs + column % bs, addresses)
+        known = positions.long().gather(2, column.clamp(max=positions.shape[-1] - 1).expand_as(page))
+        key_positions = torch.where(compacted, known, key_positions)
+    return addresses, live, key_positions
+
+
+def _kept_head_pages(
+    block_rows: torch.Tensor, first: torch.Tensor, count: torch.Tensor, most: int, num_heads: int
+) -> torch.Tensor:
+    """Each request's head-pages of its kept blocks ``block_rows[r, first[r]
+    : first[r] + count[r]]``, block-major (:func:`block_head_pages`), ``[R,
+    most * H]``, 0 past a request's own."""
+    column = torch.arange(most, device=block_rows.device)[None, :]
+    index = (first[:, None] + column).clamp(max=max(block_rows.shape[1] - 1, 0))
+    blocks = block_rows.long().gather(1, index) if most else index
+    slots = torch.arange(num_heads, device=block_rows.device)
+    head_pages = (blocks[:, :, None] * num_heads + slots).flatten(1)
+    valid = (column < count[:, None]).repeat_interleave(num_heads, dim=1, output_size=most * num_heads)
+    return head_pages.masked_fill(~valid, 0).to(torch.int32)
+
+
+def _page_tables_many(free_pages: torch.Tensor, counts: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """:func:`page_tables` of ``R`` requests: ``free_pages [R, F]``,
+    ``counts [R, H]`` → ``[R, H, width]``."""
+    num_requests, num_heads = counts.shape
+    if not free_pages.shape[1]:
+        return torch.zeros(num_requests, num_heads, width, dtype=free_pages.dtype, device=counts.device)
+    pages = (counts + (block_size - 1)) // block_size
+    column = torch.arange(width, device=counts.device)[None, None, :]
+    index = (pages.cumsum(-1) - pages)[..., None] + column
+    chosen = free_pages.gather(1, index.clamp(max=free_pages.shape[1] - 1).flatten(1)).view(index.shape)
+    return chosen.masked_fill(column >= pages[..., None], 0)

@@ -158,24 +158,43 @@ class TritonPagedCache(CacheOps):
     ) -> None:
         """One request's compaction by the Triton kernel (see
         :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
+        one = EvictedMoments(*(b.unsqueeze(0) for b in moments._buffers())) if moments is not None else None
+        self._compact(
+            addresses.unsqueeze(0), live_lens.unsqueeze(0), kept.unsqueeze(0), kept_lens.unsqueeze(0),
+            page_table.unsqueeze(0), one,
+        )
+
+    def compact_many(
+        self, addresses: torch.Tensor, live_lens: torch.Tensor, kept: torch.Tensor, kept_lens: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        """Several requests' compactions in one launch sequence of the Triton
+        kernel (see :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
+        self._compact(addresses, live_lens, kept, kept_lens, page_table, None)
+
+    def _compact(
+        self, addresses: torch.Tensor, live_lens: torch.Tensor, kept: torch.Tensor, kept_lens: torch.Tensor,
+        page_table: torch.Tensor, moments: EvictedMoments | None,
+    ) -> None:
         compaction = self.compaction
         if compaction is None:
             from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages as compaction
 
         device = self.kv_cache.device
-        one = EvictedMoments(*(b.unsqueeze(0) for b in moments._buffers())) if moments is not None else None
         batch = HeadPagedBatch(
-            head_page_table=page_table.to(device).unsqueeze(0).contiguous(),
-            head_lens=kept_lens.to(device=device, dtype=torch.int32).unsqueeze(0),
-            moments=one,
-            moment_rows=torch.zeros(1, dtype=torch.int32, device=device) if one is not None else None,
+            head_page_table=page_table.to(device).contiguous(),
+            head_lens=kept_lens.to(device=device, dtype=torch.int32),
+            moments=moments,
+            moment_rows=(
+                torch.arange(addresses.shape[0], dtype=torch.int32, device=device) if moments is not None else None
+            ),
         )
         compaction(
             self.key_cache,
             self.value_cache,
-            addresses.to(device).unsqueeze(0).contiguous(),
-            live_lens.to(device=device, dtype=torch.int32).unsqueeze(0),
-            kept.to(device).unsqueeze(0).contiguous(),
+            addresses.to(device).contiguous(),
+            live_lens.to(device=device, dtype=torch.int32),
+            kept.to(device).contiguous(),
             batch,
         )
 
