@@ -406,16 +406,16 @@ def compact_head_pages_many(
 
 def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
     """Whether a layer's evictions run as one batch of every request: on a
-    cache that reads by address, compacts in place and computes the window
-    votes (the device path's), for a policy that scores from the votes alone
-    and refines nothing (SnapKV), split by an allocation that splits
+    cache that compacts in place and computes the window votes (the device
+    path's), for a policy that scores from the votes and
+    the tokens' positions alone (``reads_window_votes``) and refines nothing
+    (SnapKV), split by an allocation that splits
     requests together (uniform, AdaKV), with no moments to fold."""
     policy = rule.policy
     return (
         policy.reads_window_votes
         and type(policy).refine_scores is EvictionPolicy.refine_scores
         and rule.allocation.splits_requests_together
-        and implements(cache, ReadsTokens)
         and implements(cache, CompactsInPlace)
         and implements(cache, ScoresWindows)
         and all(e.rows.moments is None for e in evictions)
@@ -431,8 +431,9 @@ def _compact_together(
     lengths: Sequence[Sequence[int]],
 ) -> list[torch.Tensor] | None:
     """:func:`compact_head_pages_many` for every request at once: the
-    requests' tokens padded to the longest (``[R, H, S]``), one gather, one
-    call of the window-score kernel, one scoring, one split and one top-k
+    requests' token addresses padded to the longest (``[R, H, S]``), one
+    call of the window-score kernel (the only read of the keys; no value is
+    read but the kept ones, by the compaction), one scoring, one split and one top-k
     (each request's allocation apart), one compaction launch, the side
     buffers written with one multi-tensor copy each. Reads the device once
     (NaN scores, pages used); ``None`` where a request's selection must fall
@@ -465,12 +466,14 @@ def _compact_together(
     ).to(device)
     addresses, live, key_positions = _live_tokens(pages, lens, positions, block_rows, host[0], host[1], width, bs)
     flat_live = live.flatten(0, 1)
-    keys, values = cache.read_tokens(addresses.flatten(0, 1), flat_live)  # type: ignore[attr-defined]
     votes = _window_votes(cache, windows, host[6], pages, lens, positions, block_rows, host[0], host[1], width)
-    together = ScoringInputs(
-        keys, values, key_positions.flatten(0, 1), None, None, windows[0].scale, window_votes=votes.flatten(0, 1),
-    )
+    # Scored from the votes and positions alone (reads_window_votes): no key
+    # or value is read; the compaction moves the kept ones by address.
     num_requests = len(evictions)
+    unread = votes.new_empty(num_requests * num_heads, width, 0)
+    together = ScoringInputs(
+        unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale, window_votes=votes.flatten(0, 1),
+    )
     policy = rule.policy
     try:
         raw = policy.score(together).float()

@@ -143,8 +143,9 @@ class EvictionPolicy(ABC):
     observation window (``window_votes``) where the engine passes it: an
     engine whose cache computes those votes for every (request, KV head) of a
     layer at once (the Triton window-score kernel) passes them, and the
-    policy then reads no queries and splits no layer by head. Without them
-    it computes the same votes from the queries."""
+    policy then reads nothing but the votes and ``key_positions`` (no
+    queries, keys or values: the engine may leave them unread) and splits no
+    layer by head. Without them it computes the same votes from the queries."""
     needs_reconstruction: ClassVar[bool] = False
     """Scores with the attention each token received while the model repeated
     the prompt (:mod:`kvzip`), passed as ``reconstruction``: computed by an
