@@ -21,7 +21,10 @@ scores two ways: in torch (gather the keys, softmax of a 32-query window,
 pooling, top-k), and as serving computes them on the Triton path (the
 window-score kernel ``window_votes`` over every request and head of the layer
 through the page tables, the policy's pooling, top-k), the latter also against
-reading the layer's keys once at the measured copy bandwidth. One decode step =
+reading the layer's keys once at the measured copy bandwidth. And the eviction
+step as serving runs it on the Triton path, the engine's own code with its
+selection and bookkeeping: ``compact_head_pages_many`` of every layer, AdaKV +
+SnapKV, each layer's requests as one batch (no moments). One decode step =
 ``head_paged_attention`` of every layer (the rest of the model is not counted,
 so the ratio overstates the share of a whole decode step). Reported: the
 times, the eviction step's ratio to the decode step with each way of scoring,
@@ -142,12 +145,12 @@ def fits(setup: Setup, nbytes: float, fraction: float) -> bool:
 # --------------------------------------------------------------------------- vLLM's KV cache
 
 
-def layer_kv_views(
+def layer_kv_cache(
     raw: torch.Tensor, num_layers: int, num_blocks: int, setup: Setup, layout: str, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer``'s ``(key, value)`` views of the int8 buffer ``raw`` as
-    vLLM 0.32 makes them for a layer-outermost layout (``create_kv_cache_views``,
-    then ``kv_cache.split(head_dim, dim=-1)``): strided ``[num_blocks, H, page_size, D]``."""
+) -> torch.Tensor:
+    """Layer ``layer``'s logical ``[num_blocks, H, page_size, 2D]`` view of the
+    int8 buffer ``raw`` as vLLM 0.32 makes it for a layer-outermost layout
+    (``create_kv_cache_views``)."""
     shape = (num_layers, num_blocks, setup.kv_heads, setup.page_size, 2 * setup.head_dim * setup.element_size)
     strides = [0] * 5
     stride = 1
@@ -155,8 +158,16 @@ def layer_kv_views(
         strides[dim] = stride
         stride *= shape[dim]
     assert raw.numel() == stride
-    kv_cache = torch.as_strided(raw, shape, strides, raw.storage_offset())[layer].view(setup.dtype)
-    key, value = kv_cache.split(setup.head_dim, dim=-1)
+    return torch.as_strided(raw, shape, strides, raw.storage_offset())[layer].view(setup.dtype)
+
+
+def layer_kv_views(
+    raw: torch.Tensor, num_layers: int, num_blocks: int, setup: Setup, layout: str, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s ``(key, value)`` views, as the attention backend
+    splits them (``kv_cache.split(head_dim, dim=-1)``): strided
+    ``[num_blocks, H, page_size, D]``."""
+    key, value = layer_kv_cache(raw, num_layers, num_blocks, setup, layout, layer).split(setup.head_dim, dim=-1)
     return key, value
 
 
@@ -168,6 +179,76 @@ def make_kv_cache(
     raw = torch.empty(nbytes, dtype=torch.int8, device=setup.device)
     raw.view(setup.dtype).normal_()
     return raw, [layer_kv_views(raw, num_layers, num_blocks, setup, layout, layer) for layer in range(num_layers)]
+
+
+def engine_step(
+    setup: Setup, raw: torch.Tensor, allocated: int, num_blocks: int, layout: str, requests: Requests,
+    window_q: torch.Tensor, layers: int, evict: int,
+) -> Callable[[], None]:
+    """One eviction step of every layer as serving runs it on the Triton path:
+    the eviction engine's ``compact_head_pages_many`` for every request of the
+    layer (AdaKV + SnapKV from the window-score kernel's votes, the layer's
+    requests as one batch), on ``TritonPagedCache`` over vLLM's view of the
+    layer. Each request's point at ``L`` (tokens ``0 .. L-2`` compacted, ``L-1``
+    in the standard region), ``L - evict`` tokens per head on average kept in
+    the blocks from ``evict // page_size``. Each run first restores the side
+    buffers (page tables, lengths, positions: a few kB) so every run does the
+    same work."""
+    from vllm_kvevict.eviction.allocation import AdaKVAllocation
+    from vllm_kvevict.eviction.cache_ops import EvictionObserver
+    from vllm_kvevict.eviction.head_pages import compact_head_pages_many
+    from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows
+    from vllm_kvevict.eviction.select import KeepRule
+    from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
+    from vllm_kvevict.policies import ScoringInputs
+    from vllm_kvevict.policies.snapkv import SnapKVPolicy
+
+    batch, length, heads, ps, dev = requests.batch, requests.length, setup.kv_heads, setup.page_size, setup.device
+    window = window_q.shape[1]
+    rule = KeepRule(SnapKVPolicy(), AdaKVAllocation(0.2), 4, window)
+    plain = requests.plain
+    pages0 = plain.head_page_table.contiguous()  # [B, H, L / ps]
+    lens0 = torch.full((batch, heads), length - 1, dtype=torch.int32, device=dev)
+    positions0 = torch.arange(length, device=dev).expand(batch, heads, -1).contiguous()
+    caches = [
+        TritonPagedCache(layer_kv_cache(raw, allocated, num_blocks, setup, layout, layer % allocated))
+        for layer in range(layers)
+    ]
+    rows = [
+        [StreamRows(positions0[b].clone(), pages0[b].clone(), lens0[b].clone()) for b in range(batch)]
+        for _ in range(layers)
+    ]
+    query_positions = torch.arange(length - window, length, device=dev)
+    frontier = evict // ps * ps
+
+    def scoring_inputs(b: int):
+        queries = window_q[b].transpose(0, 1)  # [Hq, W, D]
+
+        def inputs(keys, values, positions, evicted):
+            return ScoringInputs(keys, values, positions, queries, query_positions, requests.scale, evicted)
+
+        return inputs
+
+    inputs = [scoring_inputs(b) for b in range(batch)]
+    observer = EvictionObserver()
+
+    def run() -> None:
+        for layer_rows in rows:
+            torch._foreach_copy_([r.pages for r in layer_rows], list(pages0.unbind(0)))
+            torch._foreach_copy_([r.lens for r in layer_rows], list(lens0.unbind(0)))
+            torch._foreach_copy_([r.positions for r in layer_rows], list(positions0.unbind(0)))
+        for layer, (cache, layer_rows) in enumerate(zip(caches, rows)):
+            evictions = [
+                LayerEviction(
+                    EvictionPoint(f"r{b}", b, b, b, length - 1, length - 1, 0, length, frontier, length,
+                                  compacts=True, region_start=length - 1),
+                    layer_rows[b], requests.blocks[b], inputs[b],
+                )
+                for b in range(batch)
+            ]
+            compact_head_pages_many(cache, rule, evictions, layer, observer, [[length - 1] * heads] * batch)
+
+    return run
 
 
 @dataclass
@@ -393,7 +474,7 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         print(f"skipped: one layer ({layer_bytes / 1e9:.1f} GB) and its scratch do not fit")
         return None
     num_blocks = batch * length // setup.page_size
-    _, caches = make_kv_cache(setup, allocated, num_blocks, args.layout)
+    raw, caches = make_kv_cache(setup, allocated, num_blocks, args.layout)
     if not distinct:
         print(f"(the {layers} layers do not fit at once: each step runs {layers} times over one layer's cache)\n")
     views = [caches[layer % allocated] for layer in range(layers)]
@@ -430,6 +511,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         return run
 
     t_decode = setup.timer(decode_step)
+    t_engine = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
+                                       evict))
     t_score = setup.timer(scores)
     t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
@@ -448,6 +531,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         "kernel_score_us": t_kernel * 1e6, "keys_once_us": t_keys * 1e6, "kernel_score_over_keys_once": t_kernel / t_keys,
         "kernel_eviction_step_us": t_evict_kernel * 1e6, "kernel_eviction_over_decode": t_evict_kernel / t_decode,
         "kernel_eviction_over_decode_per_step": t_evict_kernel / t_decode / args.decode_interval,
+        "engine_eviction_step_us": t_engine * 1e6, "engine_eviction_over_decode": t_engine / t_decode,
+        "engine_eviction_over_decode_per_step": t_engine / t_decode / args.decode_interval,
     }
     print(
         "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
@@ -462,6 +547,12 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
             f"{100 * t_e / t_decode / args.decode_interval:.1f}% |",
             flush=True,
         )
+    print(
+        f"| the served path (compact_head_pages_many, AdaKV + SnapKV, the layer's requests as one batch) | "
+        f"{t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_engine * 1e6:,.0f} | {t_engine / t_decode:.2f}x | "
+        f"{100 * t_engine / t_decode / args.decode_interval:.1f}% |",
+        flush=True,
+    )
     return result
 
 
