@@ -412,7 +412,7 @@ def window_keep(setup: Setup, key: torch.Tensor, requests: Requests, window_q: t
     from vllm_kvevict.policies.snapkv import pool_votes
     from vllm_kvevict.triton_kernels.window_scores import window_votes
 
-    batch, length = requests.batch, requests.length
+    length = requests.length
     votes = window_votes(window_q.transpose(1, 2), key, requests.plain, requests.scale,
                          compacted_positions=positions, max_len=length)
     lengths = torch.full(votes.shape[:2], length, device=votes.device)

@@ -170,6 +170,7 @@ def slots_step(num_requests: int, num_heads: int) -> HostReads:
     observer = EvictionObserver()
     evict_slots_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
     with count_host_reads() as reads:
+        requests.reads = reads
         evict_slots_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST), 0, observer)
     return reads
 
@@ -187,12 +188,14 @@ def global_step(num_requests: int, num_heads: int, allocation, name: str) -> Hos
 
 
 # case: (its eviction step, the engine's host reads per call). Head pages with
-# SnapKV: the selection's read, the counts for the page tables, and the window
-# sizes copied to the device for the window-score kernel; the policy reads nothing.
+# SnapKV: the selection's read, the counts read back (the test does not pass
+# them), and one copy of the requests' points, budgets and window sizes to
+# the device; slots with SnapKV: the copy and the selection's read. SnapKV
+# then reads nothing: the window-score kernel votes.
 CASES = {
     "head_pages, SnapKV, uniform": (lambda r, h: head_pages_step(r, h, UniformAllocation()), 3),
     "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 3),
-    "slots, SnapKV": (slots_step, 1),
+    "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
 }
@@ -315,6 +318,44 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
         for a, b in zip(rows_together, rows_alone):
             assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
             assert torch.equal(a.lens, b.lens)
+
+
+def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone() -> None:
+    """The slots storage's batch (the window-score kernel's votes, one
+    compaction launch) keeps, writes and records what SnapKV attending head
+    by head keeps for each request alone: requests at their own points and
+    budgets, one whose frontier stays in its block (positions only), over
+    two eviction points."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    budgets = [48, 64, 96, 64, 32]
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
+    voted = KeepRule(SnapKVPolicy(kernel_size=7), UniformAllocation(), SINKS, RECENT)
+    head_by_head = KeepRule(HeadByHeadSnapKV(kernel_size=7), UniformAllocation(), SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def point(requests: Requests, r: int, at: int, last: int) -> LayerEviction:
+        cut = lambda p: max((p - budgets[r]) // BLOCK * BLOCK, 0) if p else 0  # noqa: E731
+        ev = EvictionPoint(f"r{r}", r, r, r, at - 1, last, cut(last), at, cut(at), at)
+        return LayerEviction(ev, StreamRows(requests.rows[r][0].positions), requests.block_rows[r],
+                             requests.scoring_inputs(r, ev))
+
+    firsts = [int(torch.randint(100, 150, (), generator=gen)) for _ in budgets[:4]] + [128]
+    steps = [  # (request, point, last point); request 4's second point stays in its frontier's block
+        [(r, firsts[r], 0) for r in range(len(budgets))],
+        [(r, firsts[r] + int(torch.randint(20, 80, (), generator=gen)), firsts[r]) for r in range(4)]
+        + [(4, firsts[4] + 1, firsts[4])],
+    ]
+    for step in steps:
+        batch = evict_slots_many(together.cache, voted, [point(together, r, at, last) for r, at, last in step], 0,
+                                 observer)
+        for (r, at, last), got in zip(step, batch):
+            (want,) = evict_slots_many(alone.cache, head_by_head, [point(alone, r, at, last)], 0, observer)
+            assert got == want, (r, at, last)
+    assert batch[-1] is None and batch[0] is not None
+    assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
+    for rows_together, rows_alone in zip(together.rows, alone.rows):
+        assert torch.equal(rows_together[0].positions, rows_alone[0].positions)
 
 
 def test_the_counter_sees_every_kind_of_host_read() -> None:

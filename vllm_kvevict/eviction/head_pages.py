@@ -276,7 +276,7 @@ def window_votes_many(
         dtype=torch.int32,
     ).to(first.keys.device)
     widths = [i.keys.shape[1] for i in inputs]
-    votes = _window_votes(
+    votes = stacked_window_votes(
         cache, inputs, host[0], torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
         torch.stack([e.rows.lens for e in evictions]),  # type: ignore[misc]
         torch.stack([e.rows.positions for e in evictions]), torch.stack([e.block_row for e in evictions]),
@@ -285,7 +285,16 @@ def window_votes_many(
     return [votes[r, :, :width] for r, width in enumerate(widths)]
 
 
-def _window_votes(
+def window_inputs(evictions: Sequence[LayerEviction], device: torch.device) -> list[ScoringInputs]:
+    """Each request's scoring inputs for its window queries and scale alone,
+    asked of the backend before any token is read (the tokens they are
+    handed are empty), so one upload can carry the window sizes with every
+    other size the device needs."""
+    unread = torch.empty(0, device=device)
+    return [e.scoring_inputs(unread, unread, unread, None) for e in evictions]
+
+
+def stacked_window_votes(
     cache: CacheOps, inputs: Sequence[ScoringInputs], query_lens: torch.Tensor, pages: torch.Tensor,
     lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor, starts: torch.Tensor,
     points: torch.Tensor, width: int,
@@ -455,32 +464,19 @@ def _compact_together(
     positions = torch.stack([r.positions for r in rows])  # [R, H, C]
     block_rows = torch.stack([e.block_row for e in evictions])  # [R, NB]
     device = pages.device
-    # Each request's window queries, from the backend's scoring inputs (asked
-    # before the gather, its tokens not read yet), so one upload carries
-    # every size the device needs.
-    unread = pages.new_empty(0)
-    windows = [e.scoring_inputs(unread, unread, unread, None) for e in evictions]
+    windows = window_inputs(evictions, device)
     query_lens = [w.queries.shape[1] for w in windows]  # type: ignore[union-attr]
     host = torch.tensor(
         [starts, points, first_kept, kept_blocks, total_pages, floors, query_lens], dtype=torch.int64
     ).to(device)
-    addresses, live, key_positions = _live_tokens(pages, lens, positions, block_rows, host[0], host[1], width, bs)
-    flat_live = live.flatten(0, 1)
-    votes = _window_votes(cache, windows, host[6], pages, lens, positions, block_rows, host[0], host[1], width)
-    # Scored from the votes and positions alone (reads_window_votes): no key
-    # or value is read; the compaction moves the kept ones by address.
-    num_requests = len(evictions)
-    unread = votes.new_empty(num_requests * num_heads, width, 0)
-    together = ScoringInputs(
-        unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale, window_votes=votes.flatten(0, 1),
-    )
-    policy = rule.policy
-    try:
-        raw = policy.score(together).float()
-    except Exception:  # the request-by-request path reports it and falls back
+    scored = VotedTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
+                               width)
+    if scored is None:
         return None
-    point_rows = host[1][:, None].expand(-1, num_heads).reshape(-1, 1)
-    scores = policy.mask_scores(raw, together, rule.sink_tokens, rule.recent_window, point_rows, flat_live)
+    addresses, live, key_positions, raw, scores = (
+        scored.addresses, scored.live, scored.positions, scored.raw, scored.scores
+    )
+    num_requests = len(evictions)
     counts = allocate_request_tokens(
         rule.allocation, scores.view(num_requests, num_heads, width), host[4][:, None], host[5][:, None],
         total_pages, bs,
@@ -511,7 +507,54 @@ def _compact_together(
     return list(counts.unbind(0))
 
 
-def _live_tokens(
+@dataclass
+class VotedTokens:
+    """``R`` requests' live tokens of one layer, padded to ``[R, H, S]``, and
+    the policy's scores of them from the window votes."""
+
+    addresses: torch.Tensor  # [R, H, S] flat addresses, 0 for padding
+    live: torch.Tensor  # [R, H, S] bool
+    positions: torch.Tensor  # [R, H, S] original positions, PADDING_POSITION for padding
+    raw: torch.Tensor  # [R * H, S] fp32, the policy's scores
+    scores: torch.Tensor  # [R * H, S] the scores with the sinks, the recent window and padding marked
+
+    @classmethod
+    def score(
+        cls, cache: CacheOps, rule: KeepRule, windows: Sequence[ScoringInputs], query_lens: torch.Tensor,
+        pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
+        starts: torch.Tensor, points: torch.Tensor, width: int,
+    ) -> VotedTokens | None:
+        """Request ``r``'s tokens as :func:`live_tokens_many` finds them, its
+        votes from the window-score kernel, scored by the policy from the votes
+        and positions alone (``reads_window_votes``: no key or value is read;
+        a compaction moves the kept ones by address) and marked as
+        :meth:`~EvictionPolicy.mask_scores` marks them at each request's
+        point; ``None`` when the policy raised (the request-by-request path
+        reports it and falls back)."""
+        addresses, live, key_positions = live_tokens_many(
+            pages, lens, positions, block_rows, starts, points, width, cache.block_size
+        )
+        votes = stacked_window_votes(cache, windows, query_lens, pages, lens, positions, block_rows, starts, points,
+                                     width)
+        rows = votes.shape[0] * votes.shape[1]
+        unread = votes.new_empty(rows, width, 0)
+        together = ScoringInputs(
+            unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale,
+            window_votes=votes.flatten(0, 1),
+        )
+        policy = rule.policy
+        try:
+            raw = policy.score(together).float()
+        except Exception:
+            return None
+        point_rows = points[:, None].expand(-1, votes.shape[1]).reshape(-1, 1)
+        scores = policy.mask_scores(
+            raw, together, rule.sink_tokens, rule.recent_window, point_rows, live.flatten(0, 1)
+        )
+        return cls(addresses, live, key_positions, raw, scores)
+
+
+def live_tokens_many(
     pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
     starts: torch.Tensor, points: torch.Tensor, width: int, block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,9 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
+from vllm_kvevict.eviction.allocation import allocate_request_tokens
 from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
+from vllm_kvevict.eviction.head_pages import VotedTokens, compacts_together, window_inputs
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
+from vllm_kvevict.schedule import cdiv
+from vllm_kvevict.top_k import select_top
 
 
 def evict_slots(
@@ -46,8 +50,15 @@ def evict_slots_many(
     ``ev.point`` in the slots ``[frontier_after, point)``; its positions row
     (``rows.positions [H, capacity]``) follows. Returns the tokens each head
     keeps, or None when nothing moved. One read of the device for every
-    request (:func:`~vllm_kvevict.eviction.select.choose_kept_many`)."""
+    request (:func:`~vllm_kvevict.eviction.select.choose_kept_many`).
+    Where :func:`~vllm_kvevict.eviction.head_pages.compacts_together` (the
+    device path, SnapKV from the window votes), the requests whose frontier
+    moves are evicted as one batch (:func:`_evict_together`)."""
     bs = cache.block_size
+    if evictions and compacts_together(cache, rule, evictions):
+        together = _evict_together(cache, rule, evictions, layer, observer)
+        if together is not None:
+            return together
     results: list[list[int] | None] = [None] * len(evictions)
     moving: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     selections: list[Selection] = []
@@ -88,4 +99,92 @@ def evict_slots_many(
             freed_blocks=block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer=layer
         ))
         results[i] = [num_keep] * keys.shape[0]
+    return results
+
+
+def _evict_together(
+    cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction], layer: int, observer: EvictionObserver,
+) -> list[list[int] | None] | None:
+    """:func:`evict_slots_many` for every request whose frontier moves at
+    once, as head pages see them: a head's tokens kept at earlier points
+    fill whole head-pages from the block ``frontier_before // bs`` (its page
+    table, at their original positions), the tokens since its last point
+    are its standard slots; the window-score kernel votes for every request
+    and head in one call, one scoring and one top-k choose, and the
+    compaction kernel moves each head's kept tokens, in order, into its
+    slots from ``frontier_after`` (whole head-pages of the request's
+    blocks), one launch for every request. Nothing else is read but the
+    selection's one check (NaN, pages); ``None`` where a request must fall
+    back, and the caller evicts request by request."""
+    bs, num_heads = cache.block_size, cache.num_heads
+    results: list[list[int] | None] = [None] * len(evictions)
+    moving = []
+    for i, eviction in enumerate(evictions):
+        ev, positions_row = eviction.ev, eviction.rows.positions
+        if ev.frontier_after == ev.frontier_before:  # kept where they are: positions only
+            compacted_end = max(ev.last_point_before, ev.frontier_before)
+            num_compacted, num_live = compacted_end - ev.frontier_before, ev.point - ev.frontier_before
+            if num_live > num_compacted:
+                positions_row[:, num_compacted:num_live] = torch.arange(
+                    compacted_end, ev.point, device=positions_row.device
+                )
+        else:
+            moving.append(i)
+    if not moving:
+        return results
+    chosen = [evictions[i] for i in moving]
+    evs = [e.ev for e in chosen]
+    ends = [max(ev.last_point_before, ev.frontier_before) for ev in evs]  # of the tokens kept before
+    compacted = [end - ev.frontier_before for end, ev in zip(ends, evs)]
+    keeps = [ev.point - ev.frontier_after for ev in evs]
+    width = max(ev.point - ev.frontier_before for ev in evs)
+    page_columns = max(1, max(cdiv(n, bs) for n in compacted), max(cdiv(n, bs) for n in keeps))
+    block_rows = torch.stack([e.block_row for e in chosen])  # [R, NB]
+    positions = torch.stack([e.rows.positions for e in chosen])  # [R, H, C]
+    device = block_rows.device
+    windows = window_inputs(chosen, device)
+    host = torch.tensor([
+        ends, [ev.point for ev in evs], [ev.frontier_before // bs for ev in evs],
+        [ev.frontier_after // bs for ev in evs], compacted, keeps, [num_heads * n for n in keeps],
+        [w.queries.shape[1] for w in windows],  # type: ignore[union-attr]
+    ], dtype=torch.int64).to(device)
+    num_requests = len(chosen)
+    # Head h's kept tokens before and after: whole head-pages of the blocks
+    # from frontier_before, and from frontier_after.
+    column = torch.arange(page_columns, device=device)[None, :]
+    heads = torch.arange(num_heads, device=device)[None, :, None]
+
+    def head_pages(first_block: torch.Tensor) -> torch.Tensor:
+        index = (first_block[:, None] + column).clamp(max=block_rows.shape[1] - 1)
+        return (block_rows.long().gather(1, index)[:, None, :] * num_heads + heads).to(torch.int32)  # [R, H, P]
+
+    pages, lens = head_pages(host[2]), host[4][:, None].expand(-1, num_heads)
+    scored = VotedTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
+                               width)
+    if scored is None:
+        return None
+    addresses, live, key_positions, raw, scores = (
+        scored.addresses, scored.live, scored.positions, scored.raw, scored.scores
+    )
+    # Every head keeps exactly its request's count: one-token pages split uniformly.
+    counts = allocate_request_tokens(
+        rule.allocation, scores.view(num_requests, num_heads, width), host[6][:, None],
+        torch.zeros_like(host[6])[:, None], [num_heads * n for n in keeps], 1,
+    )
+    checks = torch.cat([raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
+    if any(checks):  # a NaN score, or a head that cannot keep its count
+        return None
+    kept = select_top(scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
+    cache.compact_many(addresses, live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
+    new_positions = key_positions.gather(2, kept.clamp(min=0)).to(positions.dtype)
+    torch._foreach_copy_(
+        [e.rows.positions[:, :n] for e, n in zip(chosen, keeps)],
+        [new_positions[r, :, :n] for r, n in enumerate(keeps)],
+    )
+    for i, eviction, keep in zip(moving, chosen, keeps):
+        ev = eviction.ev
+        observer.released(cache, Released(
+            freed_blocks=eviction.block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer=layer
+        ))
+        results[i] = [keep] * num_heads
     return results
