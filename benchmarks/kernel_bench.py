@@ -24,7 +24,8 @@ through the page tables, the policy's pooling, top-k), the latter also against
 reading the layer's keys once at the measured copy bandwidth. And the eviction
 step as serving runs it on the Triton path, the engine's own code with its
 selection and bookkeeping: ``compact_head_pages_many`` of every layer, AdaKV +
-SnapKV, each layer's requests as one batch (no moments). One decode step =
+SnapKV, and ``evict_slots_many`` (the default storage), SnapKV, each layer's
+requests as one batch (no moments). One decode step =
 ``head_paged_attention`` of every layer (the rest of the model is not counted,
 so the ratio overstates the share of a whole decode step). Reported: the
 times, the eviction step's ratio to the decode step with each way of scoring,
@@ -183,29 +184,33 @@ def make_kv_cache(
 
 def engine_step(
     setup: Setup, raw: torch.Tensor, allocated: int, num_blocks: int, layout: str, requests: Requests,
-    window_q: torch.Tensor, layers: int, evict: int,
+    window_q: torch.Tensor, layers: int, evict: int, storage: str,
 ) -> Callable[[], None]:
     """One eviction step of every layer as serving runs it on the Triton path:
-    the eviction engine's ``compact_head_pages_many`` for every request of the
-    layer (AdaKV + SnapKV from the window-score kernel's votes, the layer's
-    requests as one batch), on ``TritonPagedCache`` over vLLM's view of the
-    layer. Each request's point at ``L`` (tokens ``0 .. L-2`` compacted, ``L-1``
-    in the standard region), ``L - evict`` tokens per head on average kept in
-    the blocks from ``evict // page_size``. Each run first restores the side
-    buffers (page tables, lengths, positions: a few kB) so every run does the
-    same work."""
-    from vllm_kvevict.eviction.allocation import AdaKVAllocation
+    the eviction engine's entry point for every request of the layer, on
+    ``TritonPagedCache`` over vLLM's view of the layer, SnapKV from the
+    window-score kernel's votes, the layer's requests as one batch:
+    ``compact_head_pages_many`` with AdaKV (``storage`` head_pages: tokens
+    ``0 .. L-2`` compacted, ``L-1`` in the standard region) or
+    ``evict_slots_many`` (slots: tokens ``0 .. L-2`` kept at the last point,
+    ``L-1`` new). Each request's point at ``L``, ``L - evict`` tokens per head
+    (on average with AdaKV) kept in the blocks from ``evict // page_size``.
+    Each run first restores the side buffers (page tables, lengths,
+    positions: a few MB) so every run does the same work."""
+    from vllm_kvevict.eviction.allocation import AdaKVAllocation, UniformAllocation
     from vllm_kvevict.eviction.cache_ops import EvictionObserver
     from vllm_kvevict.eviction.head_pages import compact_head_pages_many
     from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows
     from vllm_kvevict.eviction.select import KeepRule
+    from vllm_kvevict.eviction.slots import evict_slots_many
     from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
     from vllm_kvevict.policies import ScoringInputs
     from vllm_kvevict.policies.snapkv import SnapKVPolicy
 
     batch, length, heads, ps, dev = requests.batch, requests.length, setup.kv_heads, setup.page_size, setup.device
     window = window_q.shape[1]
-    rule = KeepRule(SnapKVPolicy(), AdaKVAllocation(0.2), 4, window)
+    allocation = AdaKVAllocation(0.2) if storage == "head_pages" else UniformAllocation()
+    rule = KeepRule(SnapKVPolicy(), allocation, 4, window)
     plain = requests.plain
     pages0 = plain.head_page_table.contiguous()  # [B, H, L / ps]
     lens0 = torch.full((batch, heads), length - 1, dtype=torch.int32, device=dev)
@@ -246,7 +251,10 @@ def engine_step(
                 )
                 for b in range(batch)
             ]
-            compact_head_pages_many(cache, rule, evictions, layer, observer, [[length - 1] * heads] * batch)
+            if storage == "head_pages":
+                compact_head_pages_many(cache, rule, evictions, layer, observer, [[length - 1] * heads] * batch)
+            else:
+                evict_slots_many(cache, rule, evictions, layer, observer)
 
     return run
 
@@ -512,7 +520,9 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
 
     t_decode = setup.timer(decode_step)
     t_engine = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
-                                       evict))
+                                       evict, "head_pages"))
+    t_slots = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
+                                      evict, "slots"))
     t_score = setup.timer(scores)
     t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
@@ -533,6 +543,7 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         "kernel_eviction_over_decode_per_step": t_evict_kernel / t_decode / args.decode_interval,
         "engine_eviction_step_us": t_engine * 1e6, "engine_eviction_over_decode": t_engine / t_decode,
         "engine_eviction_over_decode_per_step": t_engine / t_decode / args.decode_interval,
+        "engine_slots_eviction_step_us": t_slots * 1e6, "engine_slots_eviction_over_decode": t_slots / t_decode,
     }
     print(
         "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
@@ -547,12 +558,16 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
             f"{100 * t_e / t_decode / args.decode_interval:.1f}% |",
             flush=True,
         )
-    print(
-        f"| the served path (compact_head_pages_many, AdaKV + SnapKV, the layer's requests as one batch) | "
-        f"{t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_engine * 1e6:,.0f} | {t_engine / t_decode:.2f}x | "
-        f"{100 * t_engine / t_decode / args.decode_interval:.1f}% |",
-        flush=True,
-    )
+    for label, t_e in (
+        ("the served path, head pages (compact_head_pages_many, AdaKV + SnapKV, the layer's requests as one batch)",
+         t_engine),
+        ("the served path, slots (evict_slots_many, SnapKV, the layer's requests as one batch)", t_slots),
+    ):
+        print(
+            f"| {label} | {t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_e * 1e6:,.0f} | "
+            f"{t_e / t_decode:.2f}x | {100 * t_e / t_decode / args.decode_interval:.1f}% |",
+            flush=True,
+        )
     return result
 
 
@@ -618,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if cuda else "cpu")
     if args.smoke:
-        args.batch, args.length, args.layers, args.evict_tokens, args.window = 2, 64, 2, 8, 8
+        args.batch, args.length, args.layers, args.evict_tokens, args.window = 2, 64, 2, 16, 8
         if not cuda:
             args.kv_heads, args.group, args.head_dim = 2, 2, 32
     setup = Setup(
