@@ -25,7 +25,10 @@ from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
 from vllm_kvevict.eviction.head_pages import compact_head_pages, compact_head_pages_many
 from vllm_kvevict.eviction.host_reads import HostReads, count_host_reads
-from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows, observation_queries
+from vllm_kvevict.eviction.point import (
+    EvictionPoint, LayerEviction, ObservationRows, StreamRows, observation_queries, observation_queries_many,
+    observation_rows,
+)
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
@@ -96,7 +99,8 @@ class Requests:
             ]
             for _ in range(num_requests)
         ]
-        self.rings = [torch.randn(WINDOW, num_heads * GROUP, DIM, generator=gen) for _ in range(num_requests)]
+        self.ring_table = torch.randn(num_requests, WINDOW, num_heads * GROUP, DIM, generator=gen)
+        self.rings = list(self.ring_table.unbind(0))
         self.queries = torch.randn(num_requests, num_heads * GROUP, DIM, generator=gen)
         self.log_beta = -0.1 * torch.rand(kv.shape[0] * num_heads, BLOCK, generator=gen)
         self.offsets = [layer * self.blocks_per_layer for layer in range(layers)]
@@ -128,19 +132,33 @@ class Requests:
         ring, and the step's one query."""
         return observation_queries(self.rings[r], self.queries, ev)
 
-    def scoring_inputs(self, r: int, ev: EvictionPoint):
+    def scoring_inputs(self, r: int, ev: EvictionPoint, window=None):
+        """Request ``r``'s inputs at ``ev``: its observation queries (``window``,
+        or gathered for it alone)."""
+        queries, query_positions = window if window is not None else self.observation(r, ev)
+
         def inputs(keys, values, positions, evicted):
-            queries, query_positions = self.observation(r, ev)
             return ScoringInputs(keys, values, positions, queries, query_positions, DIM**-0.5, evicted)
 
         return inputs
 
-    def layer_evictions(self, point: int, last: int, layer: int = 0) -> list[LayerEviction]:
-        evictions = []
-        for r in range(len(self.rows)):
-            ev = self.point(r, point, last)
-            evictions.append(LayerEviction(ev, self.rows[r][layer], self.block_rows[r], self.scoring_inputs(r, ev)))
-        return evictions
+    def observation_rows(self, point: int, last: int) -> ObservationRows:
+        """Where every request's window is at ``point``: found once per step
+        for every layer."""
+        return observation_rows([self.point(r, point, last) for r in range(len(self.rows))], WINDOW, self.queries.device)
+
+    def layer_evictions(
+        self, point: int, last: int, layer: int = 0, rows: ObservationRows | None = None
+    ) -> list[LayerEviction]:
+        """Every request at ``point``, their observation queries gathered at
+        once (from ``rows``, or found now), as the backend gathers a wave's."""
+        evs = [self.point(r, point, last) for r in range(len(self.rows))]
+        rows = rows if rows is not None else self.observation_rows(point, last)
+        windows = observation_queries_many(self.ring_table, self.queries, rows)
+        return [
+            LayerEviction(ev, self.rows[r][layer], self.block_rows[r], self.scoring_inputs(r, ev, window))
+            for r, (ev, window) in enumerate(zip(evs, windows))
+        ]
 
     def pooled(self, point: int, last: int) -> list[PooledEviction]:
         evictions = []
@@ -158,9 +176,11 @@ def head_pages_step(num_requests: int, num_heads: int, allocation) -> HostReads:
     rule = KeepRule(make_policy("snapkv"), allocation, SINKS, RECENT)
     observer = EvictionObserver()
     compact_head_pages_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
+    windows = requests.observation_rows(SECOND, FIRST)  # once per step, for every layer
     with count_host_reads() as reads:
         requests.reads = reads
-        compact_head_pages_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST), 0, observer)
+        compact_head_pages_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST, rows=windows), 0,
+                                observer)
     return reads
 
 
@@ -169,9 +189,10 @@ def slots_step(num_requests: int, num_heads: int) -> HostReads:
     rule = KeepRule(make_policy("snapkv"), UniformAllocation(), SINKS, RECENT)
     observer = EvictionObserver()
     evict_slots_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
+    windows = requests.observation_rows(SECOND, FIRST)  # once per step, for every layer
     with count_host_reads() as reads:
         requests.reads = reads
-        evict_slots_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST), 0, observer)
+        evict_slots_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST, rows=windows), 0, observer)
     return reads
 
 
@@ -356,6 +377,26 @@ def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone() -> N
     assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
     for rows_together, rows_alone in zip(together.rows, alone.rows):
         assert torch.equal(rows_together[0].positions, rows_alone[0].positions)
+
+
+def test_a_waves_observation_queries_are_each_points_own() -> None:
+    """The observation queries of several points gathered at once equal each
+    point's own (:func:`observation_queries`): windows from the ring, from
+    the step's queries and across both, shorter than the ring at the start."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rings = torch.randn(6, WINDOW, 4, DIM, generator=gen)
+    query = torch.randn(64, 4, DIM, generator=gen).double()  # the ring's rows take its dtype
+    evs, start = [], 0
+    for r in range(6):
+        point = int(torch.randint(1, 40, (), generator=gen))
+        before = int(torch.randint(max(0, point - 12), point, (), generator=gen))
+        evs.append(EvictionPoint(f"r{r}", r, (r * 5) % 6, start, before, 0, 0, point, 0, point))
+        start += point - before
+    rows = observation_rows(evs, WINDOW, query.device)
+    for (queries, positions), ev in zip(observation_queries_many(rings, query, rows), evs):
+        want_queries, want_positions = observation_queries(rings[ev.state_row], query, ev)
+        assert queries.dtype == torch.float64
+        assert torch.equal(queries, want_queries) and torch.equal(positions, want_positions)
 
 
 def test_the_counter_sees_every_kind_of_host_read() -> None:

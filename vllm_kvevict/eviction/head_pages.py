@@ -300,15 +300,19 @@ def stacked_window_votes(
     points: torch.Tensor, width: int,
 ) -> torch.Tensor:
     """The votes ``[R, H, width]`` of the requests whose ``inputs`` hold
-    their window queries, the rest stacked per request on the device."""
+    their window queries (``query_lens``: their lengths on the device), the
+    rest stacked per request on the device. The queries are padded to the
+    longest window by one concatenation and one gather (a shorter window's
+    rows past its length repeat its last row, which the kernel does not
+    read)."""
     assert implements(cache, ScoresWindows)
     first = inputs[0]
     assert first.queries is not None
-    num_q_heads, head_dim = first.queries.shape[0], first.queries.shape[2]
     window = max(i.queries.shape[1] for i in inputs)  # type: ignore[union-attr]
-    queries = first.queries.new_zeros(len(inputs), num_q_heads, window, head_dim)
-    for r, request in enumerate(inputs):
-        queries[r, :, : request.queries.shape[1]] = request.queries  # type: ignore[union-attr]
+    flat = torch.cat([i.queries for i in inputs], dim=1)  # type: ignore[misc]  # [Hq, sum W_r, D]
+    sizes = query_lens.to(device=flat.device, dtype=torch.int64)
+    row = torch.minimum(torch.arange(window, device=flat.device)[None, :], (sizes - 1).clamp(min=0)[:, None])
+    queries = flat[:, (sizes.cumsum(0) - sizes)[:, None] + row].transpose(0, 1)  # [R, Hq, W, D]
     return cache.window_votes(
         queries, query_lens, pages, lens, positions, block_rows, starts, points, first.scale, width
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,3 +101,56 @@ def observation_queries(
     start = ev.query_start + fresh - ev.tokens_before
     gathered = torch.cat([from_ring, query[start : start + ev.point - fresh]])
     return gathered.transpose(0, 1), positions
+
+
+@dataclass
+class ObservationRows:
+    """Where the observation queries of several points are: per window row,
+    its row in the layer's query rings (``ring_row``, where ``from_ring``) or
+    in the step's queries (``query_row``), and its position; ``spans``: each
+    point's ``(first, count)`` of them. The same for every layer of a step."""
+
+    ring_row: torch.Tensor  # [N] int64
+    query_row: torch.Tensor  # [N] int64
+    from_ring: torch.Tensor  # [N] bool
+    positions: torch.Tensor  # [N] int64
+    spans: list[tuple[int, int]]
+
+
+def observation_rows(evs: Sequence[EvictionPoint], window: int, device: torch.device) -> ObservationRows:
+    """The rows :func:`observation_queries` reads for each of ``evs`` (a ring
+    of ``window`` rows per state row), from the points alone: one upload."""
+    ring_rows: list[int] = []
+    query_rows: list[int] = []
+    from_ring: list[int] = []
+    positions: list[int] = []
+    spans = []
+    for ev in evs:
+        first = max(0, ev.point - window)
+        fresh = min(max(ev.tokens_before, first), ev.point)
+        spans.append((len(positions), ev.point - first))
+        for p in range(first, ev.point):
+            ring = p < fresh
+            ring_rows.append(ev.state_row * window + p % window if ring else 0)
+            query_rows.append(0 if ring else ev.query_start + p - ev.tokens_before)
+            from_ring.append(int(ring))
+            positions.append(p)
+    host = torch.tensor([ring_rows, query_rows, from_ring, positions], dtype=torch.int64).to(device)
+    return ObservationRows(host[0], host[1], host[2].bool(), host[3], spans)
+
+
+def observation_queries_many(
+    rings: torch.Tensor, query: torch.Tensor, rows: ObservationRows
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`observation_queries` of several points of one layer at once:
+    ``rings [rows, W, Hq, D]`` the layer's query rings (a point's at its
+    ``state_row``), ``query [T, Hq, D]`` the step's, ``rows`` where each
+    point's window is (:func:`observation_rows`). One gather from the rings
+    and one from the step's queries for every point; each point's queries
+    ``[Hq, W_i, D]`` and positions ``[W_i]`` are views of the result."""
+    ringed = rings.reshape(-1, *rings.shape[2:]).index_select(0, rows.ring_row).to(query.dtype)
+    gathered = torch.where(rows.from_ring[:, None, None], ringed, query.index_select(0, rows.query_row))
+    queries = gathered.transpose(0, 1)  # [Hq, sum W_i, D]
+    return [
+        (queries[:, first : first + count], rows.positions[first : first + count]) for first, count in rows.spans
+    ]

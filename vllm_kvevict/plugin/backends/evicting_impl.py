@@ -30,7 +30,8 @@ from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
 from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages_many
 from vllm_kvevict.eviction.point import (
-    EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries,
+    EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries, observation_queries_many,
+    observation_rows,
 )
 from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.policies import ScoringInputs
@@ -185,14 +186,15 @@ class EvictingImpl:
                 if not wave:
                     continue
             started = time.perf_counter()
+            windows = self._observations(plan, layer_index, wave_index, wave, query)
             evictions = [
                 LayerEviction(
                     ev,
                     state.stream_rows(layer_index, ev.state_row) if plan.storage == "head_pages"
                     else StreamRows(state.positions[layer_index, ev.state_row]),
-                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, ev, query),
+                    plan.block_table[ev.batch_index], self._scoring_inputs(plan, layer_index, window),
                 )
-                for ev in wave
+                for ev, window in zip(wave, windows)
             ]
             if plan.storage == "slots":
                 for counts in evict_slots_many(cache, plan.rule, evictions, layer_index, plan.observer):
@@ -221,15 +223,37 @@ class EvictingImpl:
             )
         return output
 
+    def _observations(
+        self, plan: EvictionStepPlan, layer_index: int, wave_index: int, wave: list[EvictionPoint],
+        query: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each point's observation queries in this layer and their positions
+        (``None`` each, for a policy that reads none): one gather for the
+        wave (:func:`~vllm_kvevict.eviction.point.observation_queries_many`;
+        where the rows are, found once per step for every layer), completed
+        to whole query groups by one collective."""
+        if not plan.rule.policy.needs_queries:
+            return [None] * len(wave)
+        rings = plan.state.query_ring[layer_index]
+        rows = plan.observation_rows.get(wave_index)
+        if rows is None:
+            rows = plan.observation_rows[wave_index] = observation_rows(wave, rings.shape[1], query.device)
+        windows = observation_queries_many(rings, query, rows)
+        if plan.kv_head_replicas > 1:
+            spans = [queries.shape[1] for queries, _ in windows]
+            whole = whole_query_group(
+                torch.cat([queries for queries, _ in windows], dim=1), plan.kv_head_replicas, plan.first_replica_rank
+            )
+            windows = [(part, positions) for part, (_, positions) in zip(whole.split(spans, dim=1), windows)]
+        return windows
+
     def _scoring_inputs(
-        self, plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
+        self, plan: EvictionStepPlan, layer_index: int, window: tuple[torch.Tensor, torch.Tensor] | None
     ) -> ScoringInputsFor:
-        """What the policy scores with at ``ev``: the observation queries and
-        the model parts it asks for, around the tokens the engine gathers."""
-        policy = plan.rule.policy
-        queries = query_positions = None
-        if policy.needs_queries:
-            queries, query_positions = self._observation(plan, layer_index, ev, query)
+        """What the policy scores with at a point: its observation queries
+        (``window``, from :meth:`_observations`) and the model parts it asks
+        for, around the tokens the engine gathers."""
+        queries, query_positions = window if window is not None else (None, None)
         parts = self._model_parts(plan, layer_index)
 
         def inputs(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, evicted: Any) -> ScoringInputs:

@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
-from vllm_kvevict.eviction.point import EvictionPoint
+from vllm_kvevict.eviction.point import EvictionPoint, ObservationRows
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule
@@ -134,6 +134,8 @@ class EvictionStepPlan:
     # observation queries per (layer, batch index), kept from its forward for
     # the ranking after the last layer.
     pooled_queries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Where each wave's observation queries are, found at the first layer.
+    observation_rows: dict[int, ObservationRows] = field(default_factory=dict)
     _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _first_lengths: list[list[list[int]]] | None = None
 
