@@ -4,7 +4,8 @@ from the `kvevict eval --engine reference` runs at each kept fraction.
     python benchmarks/config_study.py benchmarks/config_study/results_0.5 benchmarks/config_study/results_0.2
 
 Each folder is one fraction's `--out` (its samples.jsonl; the fraction is read
-from the setting names, `NAME@F`; `full` is read wherever it is). Per pair below: each setting's mean score
+from the setting names, `NAME@F`; `full`, which keeps everything whatever the fraction, is read from
+whichever folder holds it and paired at every fraction). Per pair below: each setting's mean score
 on the samples both answered, A - B with its 95% paired bootstrap interval
 (stratified by task, `ruler_eval.compare`), and **≠0** where the interval
 excludes 0. Then each setting's own mean and interval over all its samples.
@@ -93,6 +94,10 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path, help="one `kvevict eval --out` folder per fraction")
     args = parser.parse_args()
     runs = [fraction_of(folder) for folder in args.folders]
+    full = {(r.length, r.task, r.index): r for _, records in runs for r in records if r.setting == "full"}
+    runs = [
+        (f, [r for r in records if r.setting != "full"] + list(full.values())) for f, records in runs
+    ]
     head = " | ".join(f"{float(f):.0%} kept: pairs, A vs B, A − B [95%]" for f, _ in runs)
     print(f"| A | B | isolates | {head} |")
     print("|---|---|---|" + "---|" * len(runs))
