@@ -165,14 +165,19 @@ def page_tables(free_pages: torch.Tensor, counts: torch.Tensor, block_size: int,
     ``free_pages`` in stream order, as page tables ``[S, width]`` (zero
     padded; ``width`` at least every stream's pages, e.g. those of the kept
     tokens' width). The streams' pages must fit in ``free_pages``
-    (:func:`~vllm_kvevict.eviction.select.choose_kept_many` checks)."""
+    (:func:`~vllm_kvevict.eviction.select.choose_kept_many` checks). For
+    ``R`` requests at once: ``free_pages [R, F]`` (each request's own),
+    ``counts [R, S]`` → ``[R, S, width]``."""
+    if counts.dim() == 1:
+        return page_tables(free_pages[None], counts[None], block_size, width)[0]
+    num_requests, num_streams = counts.shape
+    if not free_pages.shape[-1]:
+        return torch.zeros(num_requests, num_streams, width, dtype=free_pages.dtype, device=counts.device)
     pages = (counts + (block_size - 1)) // block_size
-    column = torch.arange(width, device=counts.device)[None, :]
-    if not free_pages.numel():
-        return torch.zeros(counts.shape[0], width, dtype=free_pages.dtype, device=counts.device)
-    index = (pages.cumsum(0) - pages)[:, None] + column
-    chosen = free_pages[index.clamp(max=free_pages.numel() - 1)]
-    return chosen.masked_fill(column >= pages[:, None], 0)
+    column = torch.arange(width, device=counts.device)[None, None, :]
+    index = (pages.cumsum(-1) - pages)[..., None] + column
+    chosen = free_pages.gather(1, index.long().clamp(max=free_pages.shape[1] - 1).flatten(1)).view(index.shape)
+    return chosen.masked_fill(column >= pages[..., None], 0)
 
 
 def block_head_pages(block_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -473,31 +478,28 @@ def _compact_together(
     host = torch.tensor(
         [starts, points, first_kept, kept_blocks, total_pages, floors, query_lens], dtype=torch.int64
     ).to(device)
-    scored = VotedTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
-                               width)
-    if scored is None:
+    voted = VotedTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
+                              width)
+    if voted is None:
         return None
-    addresses, live, key_positions, raw, scores = (
-        scored.addresses, scored.live, scored.positions, scored.raw, scored.scores
-    )
     num_requests = len(evictions)
     counts = allocate_request_tokens(
-        rule.allocation, scores.view(num_requests, num_heads, width), host[4][:, None], host[5][:, None],
+        rule.allocation, voted.scores.view(num_requests, num_heads, width), host[4][:, None], host[5][:, None],
         total_pages, bs,
     )
     used = (counts + (bs - 1)) // bs
-    checks = torch.cat([raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
+    checks = torch.cat([voted.raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
     if checks[0] or any(n > total for n, total in zip(checks[1:], total_pages)):
         return None
-    kept = select_top(scores, counts.flatten(), width=min(width, max(total_pages) * bs))
+    kept = select_top(voted.scores, counts.flatten(), width=min(width, max(total_pages) * bs))
     kept = kept.unflatten(0, (num_requests, num_heads))
     free_pages = _kept_head_pages(block_rows, host[2], host[3], max(kept_blocks), num_heads)
-    page_table = _page_tables_many(free_pages, counts, bs, pages.shape[-1])
-    cache.compact_many(addresses, live.sum(-1), kept.clamp(min=0), counts, page_table)  # type: ignore[attr-defined]
+    page_table = page_tables(free_pages, counts, bs, pages.shape[-1])
+    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, page_table)  # type: ignore[attr-defined]
     # The side buffers: each request's rows are views of its own, one copy for all.
     torch._foreach_copy_([r.pages for r in rows], list(page_table.to(pages.dtype).unbind(0)))  # type: ignore[misc]
     columns = min(kept.shape[-1], positions.shape[-1])
-    chosen = key_positions.gather(2, kept[..., :columns].clamp(min=0)).to(positions.dtype)
+    chosen = voted.positions.gather(2, kept[..., :columns].clamp(min=0)).to(positions.dtype)
     chosen = torch.where(kept[..., :columns] >= 0, chosen, positions[..., :columns])
     torch._foreach_copy_([r.positions[:, :columns] for r in rows], list(chosen.unbind(0)))
     torch._foreach_copy_([r.lens for r in rows], list(counts.to(lens.dtype).unbind(0)))  # type: ignore[misc]
@@ -598,20 +600,6 @@ def _kept_head_pages(
     column = torch.arange(most, device=block_rows.device)[None, :]
     index = (first[:, None] + column).clamp(max=max(block_rows.shape[1] - 1, 0))
     blocks = block_rows.long().gather(1, index) if most else index
-    slots = torch.arange(num_heads, device=block_rows.device)
-    head_pages = (blocks[:, :, None] * num_heads + slots).flatten(1)
+    head_pages = block_head_pages(blocks.flatten(), num_heads).view(blocks.shape[0], most * num_heads)
     valid = (column < count[:, None]).repeat_interleave(num_heads, dim=1, output_size=most * num_heads)
-    return head_pages.masked_fill(~valid, 0).to(torch.int32)
-
-
-def _page_tables_many(free_pages: torch.Tensor, counts: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
-    """:func:`page_tables` of ``R`` requests: ``free_pages [R, F]``,
-    ``counts [R, H]`` → ``[R, H, width]``."""
-    num_requests, num_heads = counts.shape
-    if not free_pages.shape[1]:
-        return torch.zeros(num_requests, num_heads, width, dtype=free_pages.dtype, device=counts.device)
-    pages = (counts + (block_size - 1)) // block_size
-    column = torch.arange(width, device=counts.device)[None, None, :]
-    index = (pages.cumsum(-1) - pages)[..., None] + column
-    chosen = free_pages.gather(1, index.clamp(max=free_pages.shape[1] - 1).flatten(1)).view(index.shape)
-    return chosen.masked_fill(column >= pages[..., None], 0)
+    return head_pages.masked_fill(~valid, 0)

@@ -159,24 +159,21 @@ def _evict_together(
         return (block_rows.long().gather(1, index)[:, None, :] * num_heads + heads).to(torch.int32)  # [R, H, P]
 
     pages, lens = head_pages(host[2]), host[4][:, None].expand(-1, num_heads)
-    scored = VotedTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
-                               width)
-    if scored is None:
+    voted = VotedTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
+                              width)
+    if voted is None:
         return None
-    addresses, live, key_positions, raw, scores = (
-        scored.addresses, scored.live, scored.positions, scored.raw, scored.scores
-    )
     # Every head keeps exactly its request's count: one-token pages split uniformly.
     counts = allocate_request_tokens(
-        rule.allocation, scores.view(num_requests, num_heads, width), host[6][:, None],
+        rule.allocation, voted.scores.view(num_requests, num_heads, width), host[6][:, None],
         torch.zeros_like(host[6])[:, None], [num_heads * n for n in keeps], 1,
     )
-    checks = torch.cat([raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
+    checks = torch.cat([voted.raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
     if any(checks):  # a NaN score, or a head that cannot keep its count
         return None
-    kept = select_top(scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
-    cache.compact_many(addresses, live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
-    new_positions = key_positions.gather(2, kept.clamp(min=0)).to(positions.dtype)
+    kept = select_top(voted.scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
+    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
+    new_positions = voted.positions.gather(2, kept.clamp(min=0)).to(positions.dtype)
     torch._foreach_copy_(
         [e.rows.positions[:, :n] for e, n in zip(chosen, keeps)],
         [new_positions[r, :, :n] for r, n in enumerate(keeps)],
