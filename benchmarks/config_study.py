@@ -9,6 +9,8 @@ whichever folder holds it and paired at every fraction). Per pair below: each se
 on the samples both answered, A - B with its 95% paired bootstrap interval
 (stratified by task, `ruler_eval.compare`), and **≠0** where the interval
 excludes 0. Then each setting's own mean and interval over all its samples.
+``NAME+agnostic`` settings are query-agnostic: the prompt's context evicted
+before its question is read (`kvevict eval` settings, ``+agnostic``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ PAIRS = [
     ("defensivekv_per_chunk", "defensivekv", "DefensiveKV evicting per prompt chunk (query-agnostic) against once at the end"),
     ("layer_defensivekv_per_chunk", "layer_defensivekv", "Layer-DefensiveKV per prompt chunk against once at the end"),
     ("layer_defensivekv_per_chunk", "snapkv", "Layer-DefensiveKV per prompt chunk (query-agnostic) against SnapKV at the end"),
+    # Query-agnostic (NAME+agnostic): the context evicted before the question
+    # is read, as KVzip and DefensiveKV report.
+    ("kvzip+agnostic", "snapkv", "KVzip on the context alone against query-aware SnapKV"),
+    ("kvzip+agnostic", "full", "KVzip on the context alone against the full cache"),
+    ("kvzip+agnostic", "kvzip", "KVzip on the context alone against KVzip after the whole prompt"),
+    ("kvzip+agnostic", "layer_defensivekv+agnostic", "the two best query-agnostic policies"),
+    ("layer_defensivekv+agnostic", "layer_defensivekv", "Layer-DefensiveKV: context alone against the whole prompt"),
+    ("layer_defensivekv+agnostic", "snapkv", "Layer-DefensiveKV on the context alone against query-aware SnapKV"),
+    ("defensivekv+agnostic", "defensivekv", "DefensiveKV: context alone against the whole prompt"),
+    ("criticalkv+agnostic", "criticalkv", "CriticalKV: context alone against the whole prompt"),
+    ("expected_attention+agnostic", "expected_attention", "Expected Attention: context alone against the whole prompt"),
+    ("momentkv+agnostic", "momentkv", "MomentKV: context alone against the whole prompt"),
+    ("snapkv+agnostic", "snapkv", "SnapKV: context alone against the whole prompt"),
     # Configs that evict after every prompt chunk and build on no other
     # selection: against SnapKV (the end-of-prompt selection) for scale.
     ("learned", "snapkv", "learned global eviction (shipped gates, per chunk): no base; SnapKV for scale"),

@@ -428,6 +428,51 @@ def test_continue_from_one_prefill_equals_generate(
         assert torch.equal(mine, theirs)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(policy="snapkv"), dict(policy="snapkv", head_budget="adaptive"), dict(policy="momentkv"), None],
+    ids=["snapkv", "adakv", "momentkv", "full"],
+)
+def test_question_after_the_context_eviction(
+    model_dir: Path, prompt_ids: list[int], overrides: dict[str, Any] | None
+) -> None:
+    """Query-agnostic: continue_from a context-only state with the question's
+    ids equals the decoder's own chunked prefill of the context (evicting at
+    its end), then the question written in steps that end at the decode-time
+    eviction points (every 8 tokens after the context), then greedy decoding:
+    the same tokens and retained positions, those evictions included. The
+    full cache gives the whole prompt's tokens."""
+    split = 300
+    context, question = prompt_ids[:split], prompt_ids[split:]
+    assert len(question) > 2 * EVICTION["decode_interval"]  # pieces end at decode-time points
+    config = None if overrides is None else EvictionConfig(prefill_mode="end_of_prompt", **EVICTION, **overrides)
+    shared = ReferenceEvictingDecoder(model_dir, None, chunk_size=CHUNK_SIZE)
+    state = shared.run_prompt(context, keep_queries=EVICTION["observation_window"])
+    shared.continue_from(state, EvictionConfig(policy="knorm", budget=96, prefill_mode="end_of_prompt"), 3,
+                         question_ids=question[:5])  # runs first; must leave nothing behind
+    got = shared.continue_from(state, config, NEW_TOKENS, question_ids=question)
+    if config is None:
+        whole = ReferenceEvictingDecoder(model_dir, None, chunk_size=CHUNK_SIZE)
+        assert got == whole.generate(prompt_ids, NEW_TOKENS)
+        return
+
+    own = ReferenceEvictingDecoder(model_dir, config, chunk_size=CHUNK_SIZE)
+    own.generate(context, 1)  # evicts at the context's end
+    interval = EVICTION["decode_interval"]
+    with torch.inference_mode():  # the decode-time points: split + 8, split + 16, ...
+        for n in range(split, len(prompt_ids), interval):
+            end = min(n + interval, len(prompt_ids))
+            logits = own._run_step(prompt_ids[n:end], n, end, split)
+        want = [int(torch.argmax(logits))]
+        for n in range(len(prompt_ids), len(prompt_ids) + NEW_TOKENS - 1):
+            want.append(int(torch.argmax(own._run_step([want[-1]], n, n + 1, split))))
+    assert got == want
+    kept = [store.positions for store in own._layers]
+    for mine, theirs in zip(shared.retained_positions, kept, strict=True):
+        assert torch.equal(mine, theirs)
+    assert all(bool((positions < split).sum(dim=1).lt(split).all()) for positions in kept)
+
+
 def test_continue_from_refuses_evictions_inside_the_prompt(model_dir: Path, prompt_ids: list[int]) -> None:
     decoder = ReferenceEvictingDecoder(model_dir, None)
     state = decoder.run_prompt(prompt_ids, keep_queries=8)

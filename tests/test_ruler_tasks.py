@@ -101,6 +101,38 @@ def test_answers_are_in_the_haystack(samples) -> None:
     assert any(answer in qa.prompt for answer in qa.answers)
 
 
+@pytest.mark.parametrize("prompt_format", ["base", "chat"])
+def test_the_question_starts_after_the_context(tokenizer, prompt_format: str) -> None:
+    """question_start splits each prompt where the template's text after the
+    context begins: every answer and needle is before it, the question (the
+    key asked for, the template's question and answer prefix) after it, and
+    the question's first token is where that text starts."""
+    generator = RulerGenerator(tokenizer, 2048, seed=42, prompt_format=prompt_format)
+    for task in ("niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"):
+        sample = generator.sample(task, 3)
+        context, question = sample.prompt[:sample.question_start], sample.prompt[sample.question_start:]
+        assert question.startswith("\n") and not context.endswith("\n\n"), task
+        if task.startswith("niah"):
+            assert re.match(r"\nWhat (is|are all) the special magic", question), task
+            for value in sample.answers:
+                assert f"is: {value}." in context and value not in question, (task, value)
+            key = question.split(" for ", 1)[1].split(" mentioned")[0]
+            first_key = key.split(", ")[0]
+            assert f"for {first_key} is:" in context, task
+        else:
+            assert question.startswith("\nQuestion: "), task
+        tail = question.rstrip()
+        if prompt_format == "base":
+            assert tail.endswith(("are", "is", "they are:", "list are:", "words are:")), (task, tail[-30:])
+        else:
+            assert question.endswith("<|im_start|>assistant\n")
+        ids = tokenizer(sample.prompt).input_ids
+        split = sample.question_token(tokenizer)
+        # A token across the boundary ("\n\n" after vt's last line) goes with the question.
+        assert tokenizer.decode(ids[split:]).lstrip("\n")[:30] == question.lstrip("\n")[:30], task
+        assert tokenizer.decode(ids[:split]).rstrip("\n")[-30:] == context.rstrip("\n")[-30:], task
+
+
 def test_vt_has_rulers_one_shot_example(samples) -> None:
     prompt = samples["vt"].prompt
     assert prompt.count("Memorize and track the chain(s) of variable assignment") == 2

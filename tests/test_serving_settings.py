@@ -8,12 +8,14 @@ import random
 import pytest
 
 from vllm_kvevict.config import KVEvictionConfigError, build_config
+from vllm_kvevict.evaluation.reference_eval import check_settings
 from vllm_kvevict.evaluation.settings import (
     FULL,
     ServingSetting,
     eviction_config,
     minimum_budget,
     parse_setting,
+    parse_settings,
 )
 from vllm_kvevict.policies import POLICIES
 
@@ -58,6 +60,8 @@ def test_budget_is_the_fraction_of_the_mean_prompt_in_whole_blocks() -> None:
     ("snapkv", "expected 'full'"),
     ("@0.5", "expected 'full'"),
     ("mine=localhost:8000", "NAME=http"),
+    ("full+agnostic@0.5", "after an eviction config without \\+prefix"),
+    ("snapkv+prefix+agnostic@0.5", "after an eviction config without \\+prefix"),
 ])
 def test_bad_settings_fail_early_with_the_fix(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -85,3 +89,24 @@ def test_a_budget_below_the_minimum_is_refused_with_the_smallest_that_works() ->
     with pytest.raises(KVEvictionConfigError):
         build_config({"policy": "snapkv", "budget": 32})
     assert eviction_config(parse_setting("full"), 4000) is None
+
+
+def test_query_agnostic_settings_are_named_apart_and_refused_where_they_cannot_run(capsys) -> None:
+    import argparse
+
+    agnostic = parse_setting("layer_defensivekv+agnostic@0.2")
+    aware = parse_setting("layer_defensivekv@0.2")
+    assert (agnostic.name, agnostic.query_agnostic, aware.query_agnostic) == (
+        "layer_defensivekv+agnostic@0.2", True, False)
+    assert agnostic.eviction == aware.eviction and agnostic.budget(4000) == aware.budget(4000)
+    check_settings([agnostic, parse_setting("kvzip+agnostic@0.2"), parse_setting(FULL)])
+    # Served engines read the whole prompt: refused, naming the engine that can.
+    parser = argparse.ArgumentParser(prog="kvevict eval")
+    with pytest.raises(SystemExit):
+        parse_settings(parser, ["snapkv+agnostic@0.2"], None)
+    assert "--engine reference" in capsys.readouterr().err
+    assert parse_settings(parser, ["snapkv+agnostic@0.2"], None, served=False)[0].query_agnostic
+    # Evictions inside the context or gates read while it runs: no context-only state to continue from.
+    for spec, options in (("snapkv+agnostic@0.2", {"prefill_mode": "per_chunk"}), ("learned+agnostic@0.2", None)):
+        with pytest.raises(ValueError, match="evicts once, at the context's end"):
+            check_settings([parse_setting(spec, options)])

@@ -15,7 +15,11 @@ and chunking; its seconds count in the first such setting's. The other settings 
 eviction, the learned policy's gates) evict inside the prompt, so each runs
 its own chunked prefill (:meth:`~ReferenceEvictingDecoder.generate`, chunks
 of 512 tokens as the servers' ``--max-num-batched-tokens``) on a decoder of
-its own. It is the decoder the plugin's greedy tokens are tested against, in
+its own. A query-agnostic setting (``snapkv+agnostic@0.2``) continues from
+a second shared prefill, of the prompt's context only (the tokens before
+the RULER question): it evicts there, then reads the question and answers
+(:meth:`~ReferenceEvictingDecoder.continue_from` with ``question_ids``), as
+KVzip and DefensiveKV evaluate. It is the decoder the plugin's greedy tokens are tested against, in
 fp32; served scores can differ from it where fp32 rounding of a batched
 server flips a near-tie.
 
@@ -46,10 +50,16 @@ def reference_signature(eviction: dict[str, Any] | None) -> str:
 
 def check_settings(settings: list[ServingSetting]) -> None:
     """What this engine cannot run, refused before any prompt is built."""
+    from vllm_kvevict.config import build_config
+
     for setting in settings:
         if not setting.managed:
             raise ValueError(f"setting {setting.name}: --engine reference decodes in this process; "
                              "a running server (NAME=URL) needs --engine serve")
+        if setting.query_agnostic and not shares_prompt(build_config({**setting.eviction, "budget": 1 << 16})):
+            raise ValueError(f"setting {setting.name}: a query-agnostic setting evicts once, at the "
+                             "context's end, from its full cache; use prefill_mode end_of_prompt and a "
+                             "policy without gates (drop +agnostic for per_chunk or learned)")
 
 
 def shares_prompt(config: Any) -> bool:
@@ -118,13 +128,21 @@ class ReferenceEvalRunner:
     def _score(self, decoder: Any, own: dict[str, Any], sample: RulerSample, length: int, sha: str,
                window: int, plans: list[tuple[ServingSetting, Any, str, int | None]]) -> None:
         prompt_ids = self.tokenizer(sample.prompt)["input_ids"]
-        shared = [p for p in plans if p[0].name not in own]
+        shared = [p for p in plans if p[0].name not in own and not p[0].query_agnostic]
         state = decoder.run_prompt(prompt_ids, keep_queries=window) if shared else None
+        context = question = None
+        if any(p[0].query_agnostic for p in plans):
+            split = sample.question_token(self.tokenizer)
+            context = decoder.run_prompt(prompt_ids[:split], keep_queries=window)
+            question = prompt_ids[split:]
         max_tokens = min(sample.tokens_to_generate, self.max_new_tokens)
         for setting, config, sig, budget in plans:
             start = time.perf_counter()
             if setting.name in own:
                 tokens = own[setting.name].generate(prompt_ids, max_tokens, stop_at_eos=True)
+            elif setting.query_agnostic:
+                tokens = decoder.continue_from(context, config, max_tokens, stop_at_eos=True,
+                                               question_ids=question)
             else:
                 tokens = decoder.continue_from(state, config, max_tokens, stop_at_eos=True)
             seconds = time.perf_counter() - start

@@ -130,9 +130,24 @@ class RulerSample:
     prompt_tokens: int
     tokens_to_generate: int
     metric: str
+    # Where the question starts in ``prompt`` (characters): the template's
+    # text after the context, with the answer prefix. None where unknown.
+    question_start: int | None = None
 
     def score(self, prediction: str) -> float:
         return score_prediction(self.metric, prediction, self.answers)
+
+    def question_token(self, tokenizer: Any) -> int:
+        """Index of the first token of the question in ``tokenizer(prompt)``
+        (a token across the boundary goes with the question): a query-agnostic
+        evaluation evicts from the tokens before it."""
+        if self.question_start is None:
+            raise ValueError(f"sample {self.task}/{self.index} does not know where its question starts")
+        offsets = tokenizer(self.prompt, return_offsets_mapping=True)["offset_mapping"]
+        for index, (start, end) in enumerate(offsets):
+            if end > self.question_start and end > start:
+                return index
+        raise ValueError(f"sample {self.task}/{self.index}: no token after character {self.question_start}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -621,8 +636,26 @@ class RulerGenerator:
         return RulerSample(
             task=label, index=index, prompt=prompt, answers=answers,
             prompt_tokens=self.count_tokens(prompt), tokens_to_generate=to_generate,
-            metric=metric_name(generator),
+            metric=metric_name(generator), question_start=self.question_start(prompt, generator),
         )
+
+    def question_start(self, prompt: str, generator: str) -> int:
+        """Where the question starts in a rendered ``prompt``: at the template's
+        text after ``{context}``. Counted in newlines from the prompt's end
+        (the template's tail, the answer prefix and the chat template's end
+        after the body), then checked against the tail's first word."""
+        config = task_template(generator)
+        tail = config["template"].split("{context}", 1)[1]
+        mark = "\x00"
+        after_body = self.render(mark, config["answer_prefix"]).split(mark, 1)[1]
+        newlines = tail.count("\n") + after_body.count("\n")
+        start = len(prompt)
+        for _ in range(newlines):
+            start = prompt.rindex("\n", 0, start)
+        word = tail.lstrip("\n").split(" ", 1)[0]  # niah's singular tasks reword the rest
+        if not prompt[start:].lstrip("\n").startswith(word):
+            raise AssertionError(f"{generator}: the question does not start with {word!r} in the prompt")
+        return start
 
     def _vt_example(self, args: dict[str, Any], sample_seed: str) -> str:
         """RULER's one-shot vt example (3-letter names, ~500 tokens, answers

@@ -655,7 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'full', 'CONFIG@FRACTION' (a policy, a shipped config such as "
                         "momentkv or adakv_snapkv, or a .yaml/.json config path, kept at FRACTION "
                         "of the mean prompt; the tool serves it), 'CONFIG@TOKENS' (a fixed budget) "
-                        "or 'NAME=URL' (a running OpenAI-compatible server); repeatable "
+                        "or 'NAME=URL' (a running OpenAI-compatible server); CONFIG+agnostic@F "
+                        "(--engine reference): the context evicted before the question is read; repeatable "
                         f"(default: {' '.join(DEFAULT_SETTINGS)})")
     add_kv_eviction_config_argument(parser)
     parser.add_argument("--model", default=None,

@@ -21,6 +21,7 @@ from typing import Any
 FULL = "full"
 FULL_UNBOUNDED = "full-unbounded"  # `kvevict bench` only: no eviction, no memory limit
 PREFIX = "+prefix"  # a setting with vLLM's prefix caching on (eviction: prefix_caching shared)
+AGNOSTIC = "+agnostic"  # evicts the context before the question is read (--engine reference)
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -35,6 +36,7 @@ class ServingSetting:
     budget_tokens: int | None = None  # a fixed budget
     unbounded: bool = False  # no eviction in a KV pool for every request at once (bench)
     prefix_caching: bool = False  # vLLM's prefix caching on (with eviction: prefix_caching shared)
+    query_agnostic: bool = False  # the eviction at the context's end, the question read after it
 
     @property
     def managed(self) -> bool:
@@ -101,6 +103,10 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     setting gives the budget, and a policy in ``extra`` must be the setting's.
     ``+prefix`` after ``full``, ``full-unbounded`` or CONFIG serves with vLLM's
     prefix caching on (``snapkv+prefix@0.25``: ``prefix_caching: shared``).
+    ``+agnostic`` after CONFIG evicts query-agnostically, as KVzip and
+    DefensiveKV report: the prompt's context is evicted once at its end, then
+    the question is read (``snapkv+agnostic@0.2``; ``kvevict eval --engine
+    reference`` only, which knows where each RULER question starts).
     ValueError naming the fix for anything the plugin would refuse at any budget."""
     text = text.strip()
     if text in (FULL, FULL + PREFIX):
@@ -134,9 +140,15 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     else:
         raise ValueError(f"setting {text!r}: give a kept fraction in (0, 1] or a budget in "
                          f"tokens that is a multiple of {block_size}")
+    query_agnostic = config.endswith(AGNOSTIC)
+    if query_agnostic:
+        config = config[: -len(AGNOSTIC)]
     prefix_caching = config.endswith(PREFIX)
     if prefix_caching:
         config = config[: -len(PREFIX)]
+    if query_agnostic and (prefix_caching or config in (FULL, FULL_UNBOUNDED)):
+        raise ValueError(f"setting {text!r}: {AGNOSTIC} goes after an eviction config without "
+                         f"{PREFIX} (e.g. snapkv{AGNOSTIC}@0.2); the full cache reads the same either way")
     eviction = resolve_config(config)
     extra = dict(extra or {})
     if prefix_caching:
@@ -149,8 +161,10 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     eviction.pop("budget", None)
     label = Path(config).stem if config.endswith((".yaml", ".yml", ".json")) else config
     label += PREFIX if prefix_caching else ""
+    label += AGNOSTIC if query_agnostic else ""
     setting = ServingSetting(f"{label}@{amount:g}", eviction=eviction, fraction=fraction,
-                             budget_tokens=budget, prefix_caching=eviction.get("prefix_caching") == "shared")
+                             budget_tokens=budget, prefix_caching=eviction.get("prefix_caching") == "shared",
+                             query_agnostic=query_agnostic)
     # Fail now on what is wrong at any budget; a budget that depends on the
     # prompt is checked by eviction_config once the prompts exist.
     if budget is not None:
@@ -204,6 +218,10 @@ def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], option
         settings = [parse_setting(spec, options, block_size) for spec in specs]
         for setting in settings:
             if served and setting.eviction is not None:
+                if setting.query_agnostic:
+                    raise ValueError(f"setting {setting.name}: {AGNOSTIC} settings split each RULER "
+                                     "prompt at its question, which --engine reference does; a server "
+                                     f"reads the whole prompt (drop {AGNOSTIC} or add --engine reference)")
                 try:
                     check_served(build_config({**setting.eviction, "budget": 1 << 16}))
                 except ValueError as exc:

@@ -21,6 +21,7 @@ queries/keys/values, appends them to our own store keyed by
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -257,10 +258,12 @@ class ReferenceEvictingDecoder:
         return self._decode([int(torch.argmax(logits))], prompt_len, max_new_tokens, stop_at_eos)
 
     def _decode(
-        self, out: list[int], prompt_len: int, max_new_tokens: int, stop_at_eos: bool
+        self, out: list[int], prompt_len: int, max_new_tokens: int, stop_at_eos: bool,
+        start: int | None = None,
     ) -> list[int]:
-        """Greedy decode steps after the prompt, ``out`` holding the first token."""
-        n = prompt_len
+        """Greedy decode steps after the prompt (or from position ``start``),
+        ``out`` holding the first token."""
+        n = prompt_len if start is None else start
         # The last sampled token is never fed back, as in a serving engine.
         while len(out) < max_new_tokens:
             if stop_at_eos and out[-1] in self.eos_token_ids:
@@ -317,12 +320,18 @@ class ReferenceEvictingDecoder:
     @torch.inference_mode()
     def continue_from(
         self, state: PromptState, config: EvictionConfig | None, max_new_tokens: int,
-        stop_at_eos: bool = False,
+        stop_at_eos: bool = False, question_ids: Sequence[int] = (),
     ) -> list[int]:
         """Greedy tokens of ``config`` on the prompt of ``state``: its
         end-of-prompt eviction applied to every layer, then decoding (with
         decode-time evictions). The same tokens as :meth:`generate`, whose
-        chunked prefill attends to the same full prompt before that eviction."""
+        chunked prefill attends to the same full prompt before that eviction.
+
+        ``question_ids``: the state holds only the context, evicted without
+        the question (query-agnostic, as KVzip and DefensiveKV evaluate); the
+        question is then read as the first decode steps are, its tokens
+        written in pieces that end at the decode-time eviction points, and
+        the answer follows."""
         self.use_config(config)
         if config is not None and not self.schedule.holds_whole_prompt(state.prompt_len):
             raise ValueError(
@@ -351,7 +360,19 @@ class ReferenceEvictingDecoder:
                 if self.policy.needs_reconstruction and self._evicts_at(step):
                     self._reconstruction_from(state)
                 self._evict_global(step)
-        return self._decode([state.first_token], state.prompt_len, max_new_tokens, stop_at_eos)
+        if not question_ids:
+            return self._decode([state.first_token], state.prompt_len, max_new_tokens, stop_at_eos)
+        n, end = state.prompt_len, state.prompt_len + len(question_ids)
+        while n < end:
+            piece_end = end
+            if self.schedule is not None:
+                points = self.schedule.eviction_points_in_step(n, end, state.prompt_len)
+                piece_end = points[0] if points else end
+            logits = self._run_step(list(question_ids[n - state.prompt_len:piece_end - state.prompt_len]),
+                                    n, piece_end, state.prompt_len)
+            n = piece_end
+        return self._decode([int(torch.argmax(logits))], state.prompt_len, max_new_tokens, stop_at_eos,
+                            start=end)
 
     def _run_step(
         self, token_ids: list[int], n_before: int, n_after: int, prompt_len: int
