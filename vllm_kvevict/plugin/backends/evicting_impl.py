@@ -30,7 +30,7 @@ from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
 from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages_many
 from vllm_kvevict.eviction.point import (
-    EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries, observation_queries_many,
+    EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries_many,
     observation_rows,
 )
 from vllm_kvevict.eviction.slots import evict_slots_many
@@ -42,6 +42,10 @@ from vllm_kvevict.plugin.backends.step_plan import (
     remember_worker_config,
     whole_query_group,
 )
+
+POOLED_WINDOWS = -1
+"""The key of the pooled layers' observation windows (each request's last
+compacting point) in ``plan.observation_rows``, beside the waves' indexes."""
 
 
 class Kernels:
@@ -173,8 +177,10 @@ class EvictingImpl:
         if plan.storage == "global":
             self._global_forward(plan, layer, layer_index, query, cache, attn_metadata, output)
             if plan.rule.policy.needs_queries:
-                for i, ev in plan.last_compactions.items():
-                    plan.pooled_queries[layer_index, i] = self._observation(plan, layer_index, ev, query)
+                last = plan.last_compactions
+                windows = self._observations(plan, layer_index, POOLED_WINDOWS, list(last.values()), query)
+                for i, window in zip(last, windows):
+                    plan.pooled_queries[layer_index, i] = window
         else:
             kernels.attend_step(plan, layer, layer_index, query, key, value, kv_cache, cache, attn_metadata, output)
         # The eviction engine's calls alone are timed: the attention of the
@@ -228,12 +234,16 @@ class EvictingImpl:
         query: torch.Tensor,
     ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Each point's observation queries in this layer and their positions
-        (``None`` each, for a policy that reads none): one gather for the
-        wave (:func:`~vllm_kvevict.eviction.point.observation_queries_many`;
+        (``None`` each, for a policy that reads none), before the layer's ring
+        takes this step's queries: one gather for the wave (``wave_index``;
+        :data:`POOLED_WINDOWS` for the pooled layers' last compacting points)
+        (:func:`~vllm_kvevict.eviction.point.observation_queries_many`;
         where the rows are, found once per step for every layer), completed
         to whole query groups by one collective."""
         if not plan.rule.policy.needs_queries:
             return [None] * len(wave)
+        if not wave:
+            return []
         rings = plan.state.query_ring[layer_index]
         rows = plan.observation_rows.get(wave_index)
         if rows is None:
@@ -272,18 +282,6 @@ class EvictingImpl:
             return {}
         parts = model_parts(plan.layer_names[layer_index])
         return {"rotary": parts.rotary, "output_projection": parts.output_projection}
-
-    @staticmethod
-    def _observation(
-        plan: EvictionStepPlan, layer_index: int, ev: EvictionPoint, query: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The observation queries of ``ev`` in this layer (before the layer's
-        ring takes this step's queries), completed to whole query groups."""
-        ring = plan.state.query_ring[layer_index, ev.state_row]
-        queries, positions = observation_queries(ring, query, ev)
-        if plan.kv_head_replicas > 1:
-            queries = whole_query_group(queries, plan.kv_head_replicas, plan.first_replica_rank)
-        return queries, positions
 
     def _global_forward(
         self,

@@ -134,7 +134,8 @@ class EvictionStepPlan:
     # observation queries per (layer, batch index), kept from its forward for
     # the ranking after the last layer.
     pooled_queries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # Where each wave's observation queries are, found at the first layer.
+    # Where each wave's observation queries are (key: the wave, or -1 for the
+    # pooled layers' last compacting points), found at the first layer.
     observation_rows: dict[int, ObservationRows] = field(default_factory=dict)
     _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _first_lengths: list[list[list[int]]] | None = None
