@@ -33,6 +33,7 @@ from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 from vllm_kvevict.policies import ScoringInputs, make_policy
+from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages_reference
 from vllm_kvevict.triton_kernels.window_scores import window_votes_reference
@@ -299,20 +300,30 @@ def test_window_votes_for_every_request_keep_what_head_by_head_scoring_keeps(poo
             assert torch.equal(a.lens, b.lens)
 
 
+class HeadByHeadH2O(H2OPolicy):
+    """H2O summing the window's attention itself, head by head."""
+
+    reads_window_votes = False
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
-def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation) -> None:
+def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
     """The requests of a step evicted as one batch, each at its own point
     with its own budget, some compacting for the first time while others
-    compact again, keep, write and record what SnapKV attending head by head
-    keeps for each request alone."""
+    compact again, keep, write and record what the policy attending head by
+    head (SnapKV; H2O, whose sum over the window is the votes times W) keeps
+    for each request alone."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32, 80]
     firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
     seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
     seed = int(torch.randint(0, 1000, (), generator=gen))
     together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
-    voted = KeepRule(SnapKVPolicy(kernel_size=7), allocation, SINKS, RECENT)
-    head_by_head = KeepRule(HeadByHeadSnapKV(kernel_size=7), allocation, SINKS, RECENT)
+    voting, attending = {"snapkv": (SnapKVPolicy(kernel_size=7), HeadByHeadSnapKV(kernel_size=7)),
+                         "h2o": (H2OPolicy(), HeadByHeadH2O())}[policy]
+    voted = KeepRule(voting, allocation, SINKS, RECENT)
+    head_by_head = KeepRule(attending, allocation, SINKS, RECENT)
     observer = EvictionObserver()
 
     def point(requests: Requests, r: int, at: int, last: int) -> LayerEviction:

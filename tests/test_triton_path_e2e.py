@@ -46,6 +46,7 @@ GATES = "GATES_DIR"  # replaced by the folder of the seeded gates
 CASES = {
     "snapkv-slots": {"policy": "snapkv", **EVICTION},
     "adakv-head-pages": {"policy": "snapkv", **EVICTION, "head_budget": "adaptive"},
+    "h2o-slots": {"policy": "h2o", **EVICTION},
     "momentkv": {"policy": "momentkv", **EVICTION},
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }
