@@ -50,13 +50,11 @@ def reference_signature(eviction: dict[str, Any] | None) -> str:
 
 def check_settings(settings: list[ServingSetting]) -> None:
     """What this engine cannot run, refused before any prompt is built."""
-    from vllm_kvevict.config import build_config
-
     for setting in settings:
         if not setting.managed:
             raise ValueError(f"setting {setting.name}: --engine reference decodes in this process; "
                              "a running server (NAME=URL) needs --engine serve")
-        if setting.query_agnostic and not shares_prompt(build_config({**setting.eviction, "budget": 1 << 16})):
+        if setting.query_agnostic and not shares_prompt(setting.config_at_any_budget()):
             raise ValueError(f"setting {setting.name}: a query-agnostic setting evicts once, at the "
                              "context's end, from its full cache; use prefill_mode end_of_prompt and a "
                              "policy without gates (drop +agnostic for per_chunk or learned)")

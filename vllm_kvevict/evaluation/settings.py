@@ -16,13 +16,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_kvevict.config import EvictionConfig
 
 FULL = "full"
 FULL_UNBOUNDED = "full-unbounded"  # `kvevict bench` only: no eviction, no memory limit
 PREFIX = "+prefix"  # a setting with vLLM's prefix caching on (eviction: prefix_caching shared)
 AGNOSTIC = "+agnostic"  # evicts the context before the question is read (--engine reference)
 DEFAULT_BLOCK_SIZE = 32
+ANY_BUDGET = 1 << 16  # a budget no prompt of the tools reaches: checks that hold at any budget
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,14 @@ class ServingSetting:
         if self.fraction is None:
             return None
         return int(self.fraction * mean_prompt_tokens) // block_size * block_size
+
+    def config_at_any_budget(self) -> EvictionConfig:
+        """The eviction setting's config at :data:`ANY_BUDGET`, for the checks
+        that do not depend on the budget (the policy served, the prefill mode)."""
+        from vllm_kvevict.config import build_config
+
+        assert self.eviction is not None
+        return build_config({**self.eviction, "budget": ANY_BUDGET})
 
 
 def resolve_config(name: str) -> dict[str, Any]:
@@ -170,7 +182,7 @@ def parse_setting(text: str, extra: dict[str, Any] | None = None,
     if budget is not None:
         eviction_config(setting, 0.0, block_size, context=f"setting {text!r}")
     else:
-        reason = _refusal({**eviction, "budget": 1 << 16}, block_size)
+        reason = _refusal({**eviction, "budget": ANY_BUDGET}, block_size)
         if reason is not None:
             raise ValueError(f"setting {text!r}: {reason}")
     return setting
@@ -211,7 +223,7 @@ def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], option
     ``unbounded``: the command sizes a pool for ``full-unbounded`` (bench).
     ``served``: the settings go to vLLM servers, which refuse a policy that
     only the reference decoder scores (kvzip)."""
-    from vllm_kvevict.config import build_config, check_served
+    from vllm_kvevict.config import check_served
 
     try:
         options = eviction_options(options_source) if options_source else {}
@@ -223,7 +235,7 @@ def parse_settings(parser: argparse.ArgumentParser, specs: Sequence[str], option
                                      "prompt at its question, which --engine reference does; a server "
                                      f"reads the whole prompt (drop {AGNOSTIC} or add --engine reference)")
                 try:
-                    check_served(build_config({**setting.eviction, "budget": 1 << 16}))
+                    check_served(setting.config_at_any_budget())
                 except ValueError as exc:
                     raise ValueError(f"setting {setting.name}: {exc}") from None
     except ValueError as exc:  # KVEvictionConfigError included
@@ -272,7 +284,7 @@ def _refusal(eviction: dict[str, Any], block_size: int) -> str | None:
 
 
 def minimum_budget(eviction: dict[str, Any], block_size: int = DEFAULT_BLOCK_SIZE,
-                   limit: int = 1 << 16) -> int | None:
+                   limit: int = ANY_BUDGET) -> int | None:
     """The smallest whole-block budget the plugin accepts for this config."""
     for budget in range(block_size, limit + 1, block_size):
         if _refusal({**eviction, "budget": budget}, block_size) is None:

@@ -92,6 +92,9 @@ def observation_queries(
     earlier ones from ``ring [W, Hq, D]`` (position ``p`` at ``p % W``), which
     the layer has not updated yet this step. Which is which follows from the
     point alone, so nothing is read back from the device.
+
+    The serving path takes every point's window at once
+    (:func:`observation_queries_many`); this one-point form is its reference.
     """
     window = ring.shape[0]
     first = max(0, ev.point - window)
