@@ -15,6 +15,8 @@ case prints its counts for 1, 4 and 16 requests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,9 +174,9 @@ class Requests:
         return evictions
 
 
-def head_pages_step(num_requests: int, num_heads: int, allocation) -> HostReads:
+def head_pages_step(num_requests: int, num_heads: int, allocation, name: str = "snapkv") -> HostReads:
     requests = Requests(num_requests, num_heads)
-    rule = KeepRule(make_policy("snapkv"), allocation, SINKS, RECENT)
+    rule = KeepRule(make_policy(name), allocation, SINKS, RECENT)
     observer = EvictionObserver()
     compact_head_pages_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
     windows = requests.observation_rows(SECOND, FIRST)  # once per step, for every layer
@@ -213,10 +215,13 @@ def global_step(num_requests: int, num_heads: int, allocation, name: str) -> Hos
 # SnapKV: the selection's read, the counts read back (the test does not pass
 # them), and one copy of the requests' points, budgets and window sizes to
 # the device; slots with SnapKV: the copy and the selection's read. SnapKV
-# then reads nothing: the window-score kernel votes.
+# then reads nothing: the window-score kernel votes (TOVA's from the last
+# query); KeyDiff's keys are read by address in one gather.
 CASES = {
     "head_pages, SnapKV, uniform": (lambda r, h: head_pages_step(r, h, UniformAllocation()), 3),
     "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 3),
+    "head_pages, TOVA": (lambda r, h: head_pages_step(r, h, UniformAllocation(), "tova"), 3),
+    "head_pages, AdaKV + KeyDiff": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "keydiff"), 3),
     "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
@@ -306,22 +311,32 @@ class HeadByHeadH2O(H2OPolicy):
     reads_window_votes = False
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def request_by_request(policy):
+    """``policy`` scoring each request alone from its own inputs: attending
+    with its window queries itself (no votes), its rows never stacked with
+    another request's."""
+    alone = type(f"Alone{type(policy).__name__}", (type(policy),),
+                 {"reads_window_votes": False, "scores_rows_apart": False})
+    return alone(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm"])
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
     """The requests of a step evicted as one batch, each at its own point
     with its own budget, some compacting for the first time while others
-    compact again, keep, write and record what the policy attending head by
-    head (SnapKV; H2O, whose sum over the window is the votes times W) keeps
-    for each request alone."""
+    compact again, keep, write and record what the policy scoring each
+    request alone keeps: attending head by head (SnapKV; H2O, whose sum over
+    the window is the votes times W; TOVA, the last query's attention), or
+    from each request's own tokens (Knorm, KeyDiff, StreamingLLM)."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32, 80]
     firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
     seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
     seed = int(torch.randint(0, 1000, (), generator=gen))
     together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
-    voting, attending = {"snapkv": (SnapKVPolicy(kernel_size=7), HeadByHeadSnapKV(kernel_size=7)),
-                         "h2o": (H2OPolicy(), HeadByHeadH2O())}[policy]
+    voting = make_policy(policy, {"kernel_size": 7} if policy == "snapkv" else {})
+    attending = request_by_request(voting)
     voted = KeepRule(voting, allocation, SINKS, RECENT)
     head_by_head = KeepRule(attending, allocation, SINKS, RECENT)
     observer = EvictionObserver()
@@ -339,9 +354,14 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
          (3, seconds[3], firsts[3])],
     ]
     for step in steps:
-        batch = compact_head_pages_many(
-            together.cache, voted, [point(together, r, at, last) for r, at, last in step], 0, observer
-        )
+        with count_host_reads() as reads:
+            together.reads = reads
+            batch = compact_head_pages_many(
+                together.cache, voted, [point(together, r, at, last) for r, at, last in step], 0, observer
+            )
+        together.reads = None
+        # One batch: one compaction launch for every request of the step.
+        assert reads.launches(lambda site: site.startswith("compact_head_pages")) == 1, reads.table()
         for (r, at, last), counts in zip(step, batch):
             (want,) = compact_head_pages_many(alone.cache, head_by_head, [point(alone, r, at, last)], 0, observer)
             assert counts.tolist() == want.tolist(), (r, at, last)
@@ -352,18 +372,21 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
             assert torch.equal(a.lens, b.lens)
 
 
-def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone() -> None:
-    """The slots storage's batch (the window-score kernel's votes, one
-    compaction launch) keeps, writes and records what SnapKV attending head
-    by head keeps for each request alone: requests at their own points and
-    budgets, one whose frontier stays in its block (positions only), over
-    two eviction points."""
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff"])
+def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone(policy: str) -> None:
+    """The slots storage's batch (the window-score kernel's votes, or the
+    tokens read by address; one compaction launch) keeps, writes and records
+    what the policy scoring each request alone keeps (SnapKV and TOVA
+    attending head by head, KeyDiff from the request's own keys): requests
+    at their own points and budgets, one whose frontier stays in its block
+    (positions only), over two eviction points."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32]
     seed = int(torch.randint(0, 1000, (), generator=gen))
     together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
-    voted = KeepRule(SnapKVPolicy(kernel_size=7), UniformAllocation(), SINKS, RECENT)
-    head_by_head = KeepRule(HeadByHeadSnapKV(kernel_size=7), UniformAllocation(), SINKS, RECENT)
+    voting = make_policy(policy, {"kernel_size": 7} if policy == "snapkv" else {})
+    voted = KeepRule(voting, UniformAllocation(), SINKS, RECENT)
+    head_by_head = KeepRule(request_by_request(voting), UniformAllocation(), SINKS, RECENT)
     observer = EvictionObserver()
 
     def point(requests: Requests, r: int, at: int, last: int) -> LayerEviction:
@@ -379,8 +402,12 @@ def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone() -> N
         + [(4, firsts[4] + 1, firsts[4])],
     ]
     for step in steps:
-        batch = evict_slots_many(together.cache, voted, [point(together, r, at, last) for r, at, last in step], 0,
-                                 observer)
+        with count_host_reads() as reads:
+            together.reads = reads
+            batch = evict_slots_many(together.cache, voted, [point(together, r, at, last) for r, at, last in step],
+                                     0, observer)
+        together.reads = None
+        assert reads.launches(lambda site: site.startswith("compact_head_pages")) == 1, reads.table()
         for (r, at, last), got in zip(step, batch):
             (want,) = evict_slots_many(alone.cache, head_by_head, [point(alone, r, at, last)], 0, observer)
             assert got == want, (r, at, last)

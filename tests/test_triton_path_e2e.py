@@ -8,9 +8,12 @@ served by vLLM's CPU platform, the kernels under Triton's interpreter
 
 For each storage, greedy fp32 token ids equal both the native CPU path (C++
 kernels, vLLM's page order) and the transformers reference decoder applying
-the same eviction: SnapKV (slots), AdaKV+SnapKV (head pages), MomentKV (the
-correction on) and the learned policy (global eviction, with seeded random
-gates) on the tiny random Llama. Every run is in the
+the same eviction: SnapKV (slots), AdaKV+SnapKV (head pages), H2O (slots),
+TOVA and KeyDiff on AdaKV (head pages: TOVA from the window-score kernel's
+votes of the last query, KeyDiff from the keys read by address, each scored
+as one batch of the step's requests), MomentKV (the correction on) and the
+learned policy (global eviction, with seeded random gates) on the tiny
+random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
 back to vLLM's pool during the requests.
 
@@ -47,6 +50,8 @@ CASES = {
     "snapkv-slots": {"policy": "snapkv", **EVICTION},
     "adakv-head-pages": {"policy": "snapkv", **EVICTION, "head_budget": "adaptive"},
     "h2o-slots": {"policy": "h2o", **EVICTION},
+    "tova-head-pages": {"policy": "tova", **EVICTION, "head_budget": "adaptive"},
+    "keydiff-head-pages": {"policy": "keydiff", **EVICTION, "head_budget": "adaptive"},
     "momentkv": {"policy": "momentkv", **EVICTION},
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }

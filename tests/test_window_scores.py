@@ -34,6 +34,7 @@ from vllm_kvevict.triton_kernels import window_scores as ws  # noqa: E402
 from vllm_kvevict.triton_kernels.batch import HeadPagedBatch  # noqa: E402
 from vllm_kvevict.triton_kernels.head_paged_attention import head_tokens_reference  # noqa: E402
 from vllm_kvevict.policies.snapkv import pool_votes  # noqa: E402
+from vllm_kvevict.policies.tova import TOVAPolicy  # noqa: E402
 from vllm_kvevict.triton_kernels.window_scores_torch import item_lengths  # noqa: E402
 
 POISON = float("nan")
@@ -215,6 +216,24 @@ def test_window_votes_match_reference_and_snapkv(name: str) -> None:
             continue  # nothing to score (the engine scores no such request)
         torch.testing.assert_close(pooled[r, :, :request_width], want, **_tolerance(dtype))
         assert not pooled[r, :, request_width:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_last_querys_votes_are_tovas_scores(dtype: torch.dtype) -> None:
+    """A window of one query (TOVA's ``voting_queries``): each key's votes
+    are the group's mean attention from the query just before the point,
+    TOVA's score as the engine computes it head by head, on ragged heads,
+    strided views and compacted tokens at any earlier position."""
+    seed = int(torch.randint(0, 2**31, ()))
+    case = make_window_case(
+        seed, heads=3, group=4, head_dim=64, page_size=16, dtype=dtype,
+        requests=[(16, 45), (27, 30), (40, 40), (0, 5), (32, 97)], window=1, max_compacted=37, strided=True,
+        positions=True,
+    )
+    votes = ws.window_votes(case.queries, case.key_cache, case.batch, case.scale, **case.kwargs())
+    for r in range(votes.shape[0]):
+        want, width = engine_scores(case, r, TOVAPolicy())
+        torch.testing.assert_close(votes[r, :, :width], want, **_tolerance(dtype), msg=lambda m: f"seed {seed}: {m}")
 
 
 def test_window_votes_width_and_no_queries() -> None:

@@ -27,7 +27,7 @@ place from the block table, before the compacted tokens
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -290,13 +290,31 @@ def window_votes_many(
     return [votes[r, :, :width] for r, width in enumerate(widths)]
 
 
-def window_inputs(evictions: Sequence[LayerEviction], device: torch.device) -> list[ScoringInputs]:
-    """Each request's scoring inputs for its window queries and scale alone,
-    asked of the backend before any token is read (the tokens they are
-    handed are empty), so one upload can carry the window sizes with every
-    other size the device needs."""
+def window_inputs(
+    evictions: Sequence[LayerEviction], device: torch.device, policy: EvictionPolicy
+) -> list[ScoringInputs]:
+    """Each request's scoring inputs for the window queries that vote for
+    ``policy`` (:func:`voting_window`) and its scale alone, asked of the
+    backend before any token is read (the tokens they are handed are
+    empty), so one upload can carry the window sizes with every other size
+    the device needs."""
     unread = torch.empty(0, device=device)
-    return [e.scoring_inputs(unread, unread, unread, None) for e in evictions]
+    return [voting_window(policy, e.scoring_inputs(unread, unread, unread, None)) for e in evictions]
+
+
+def voting_window(policy: EvictionPolicy, inputs: ScoringInputs) -> ScoringInputs:
+    """``inputs`` with the window queries whose votes ``policy`` scores by:
+    the last ``policy.voting_queries`` of them (TOVA's one), or all."""
+    last = policy.voting_queries
+    if last is None or inputs.queries is None or inputs.query_positions is None:
+        return inputs
+    return replace(inputs, queries=inputs.queries[:, -last:], query_positions=inputs.query_positions[-last:],
+                   memo={})
+
+
+def window_sizes(windows: Sequence[ScoringInputs]) -> list[int]:
+    """Each window's query count (0 for a policy that reads no queries)."""
+    return [0 if w.queries is None else w.queries.shape[1] for w in windows]
 
 
 def stacked_window_votes(
@@ -390,7 +408,8 @@ def compact_head_pages_many(
         gathered.append((tokens, free_pages, start))
     if rule.policy.reads_window_votes and implements(cache, ScoresWindows) and evictions:
         votes = window_votes_many(
-            cache, evictions, [sel.layers[0] for sel in selections], [start for _, _, start in gathered]
+            cache, evictions, [voting_window(rule.policy, sel.layers[0]) for sel in selections],
+            [start for _, _, start in gathered],
         )
         for selection, request_votes in zip(selections, votes):
             selection.layers[0].window_votes = request_votes
@@ -424,18 +443,22 @@ def compact_head_pages_many(
 
 def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
     """Whether a layer's evictions run as one batch of every request: on a
-    cache that compacts in place and computes the window votes (the device
-    path's), for a policy that scores from the votes and
-    the tokens' positions alone (``reads_window_votes``) and refines nothing
-    (SnapKV), split by an allocation that splits
-    requests together (uniform, AdaKV), with no moments to fold."""
+    cache that compacts in place (the device path's), for a policy that
+    refines nothing and scores either from the window votes and the tokens'
+    positions alone (``reads_window_votes``: SnapKV, H2O, TOVA), where the
+    cache computes the votes, or each head's row from its own tokens
+    (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM), where the cache
+    reads tokens by address; split by an allocation that splits requests
+    together (uniform, AdaKV), with no moments to fold."""
     policy = rule.policy
+    scored_together = (policy.reads_window_votes and implements(cache, ScoresWindows)) or (
+        policy.scores_rows_apart and implements(cache, ReadsTokens)
+    )
     return (
-        policy.reads_window_votes
+        scored_together
         and type(policy).refine_scores is EvictionPolicy.refine_scores
         and rule.allocation.splits_requests_together
         and implements(cache, CompactsInPlace)
-        and implements(cache, ScoresWindows)
         and all(e.rows.moments is None for e in evictions)
     )
 
@@ -451,7 +474,8 @@ def _compact_together(
     """:func:`compact_head_pages_many` for every request at once: the
     requests' token addresses padded to the longest (``[R, H, S]``), one
     call of the window-score kernel (the only read of the keys; no value is
-    read but the kept ones, by the compaction), one scoring, one split and one top-k
+    read but the kept ones, by the compaction) or one gather of the tokens
+    (:class:`ScoredTokens`), one scoring, one split and one top-k
     (each request's allocation apart), one compaction launch, the side
     buffers written with one multi-tensor copy each. Reads the device once
     (NaN scores, pages used); ``None`` where a request's selection must fall
@@ -473,12 +497,11 @@ def _compact_together(
     positions = torch.stack([r.positions for r in rows])  # [R, H, C]
     block_rows = torch.stack([e.block_row for e in evictions])  # [R, NB]
     device = pages.device
-    windows = window_inputs(evictions, device)
-    query_lens = [w.queries.shape[1] for w in windows]  # type: ignore[union-attr]
+    windows = window_inputs(evictions, device, rule.policy)
     host = torch.tensor(
-        [starts, points, first_kept, kept_blocks, total_pages, floors, query_lens], dtype=torch.int64
+        [starts, points, first_kept, kept_blocks, total_pages, floors, window_sizes(windows)], dtype=torch.int64
     ).to(device)
-    voted = VotedTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
+    voted = ScoredTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
                               width)
     if voted is None:
         return None
@@ -514,9 +537,9 @@ def _compact_together(
 
 
 @dataclass
-class VotedTokens:
+class ScoredTokens:
     """``R`` requests' live tokens of one layer, padded to ``[R, H, S]``, and
-    the policy's scores of them from the window votes."""
+    the policy's scores of them, scored as one layer of ``R * H`` heads."""
 
     addresses: torch.Tensor  # [R, H, S] flat addresses, 0 for padding
     live: torch.Tensor  # [R, H, S] bool
@@ -529,31 +552,37 @@ class VotedTokens:
         cls, cache: CacheOps, rule: KeepRule, windows: Sequence[ScoringInputs], query_lens: torch.Tensor,
         pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
         starts: torch.Tensor, points: torch.Tensor, width: int,
-    ) -> VotedTokens | None:
-        """Request ``r``'s tokens as :func:`live_tokens_many` finds them, its
-        votes from the window-score kernel, scored by the policy from the votes
-        and positions alone (``reads_window_votes``: no key or value is read;
-        a compaction moves the kept ones by address) and marked as
+    ) -> ScoredTokens | None:
+        """Request ``r``'s tokens as :func:`live_tokens_many` finds them,
+        scored by the policy (:func:`compacts_together`): from the votes of
+        the window-score kernel and the positions alone
+        (``reads_window_votes``: no key or value is read; a compaction
+        moves the kept ones by address), or from the tokens read by address
+        in one gather (``scores_rows_apart``); marked as
         :meth:`~EvictionPolicy.mask_scores` marks them at each request's
-        point; ``None`` when the policy raised (the request-by-request path
+        point. ``None`` when the policy raised (the request-by-request path
         reports it and falls back)."""
         addresses, live, key_positions = live_tokens_many(
             pages, lens, positions, block_rows, starts, points, width, cache.block_size
         )
-        votes = stacked_window_votes(cache, windows, query_lens, pages, lens, positions, block_rows, starts, points,
-                                     width)
-        rows = votes.shape[0] * votes.shape[1]
-        unread = votes.new_empty(rows, width, 0)
-        together = ScoringInputs(
-            unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale,
-            window_votes=votes.flatten(0, 1),
-        )
         policy = rule.policy
+        if policy.reads_window_votes:
+            votes = stacked_window_votes(
+                cache, windows, query_lens, pages, lens, positions, block_rows, starts, points, width
+            )
+            unread = votes.new_empty(votes.shape[0] * votes.shape[1], width, 0)
+            together = ScoringInputs(
+                unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale,
+                window_votes=votes.flatten(0, 1),
+            )
+        else:
+            keys, values = cache.read_tokens(addresses.flatten(0, 1), live.flatten(0, 1))  # type: ignore[attr-defined]
+            together = ScoringInputs(keys, values, key_positions.flatten(0, 1), None, None, windows[0].scale)
         try:
             raw = policy.score(together).float()
         except Exception:
             return None
-        point_rows = points[:, None].expand(-1, votes.shape[1]).reshape(-1, 1)
+        point_rows = points[:, None].expand(-1, live.shape[1]).reshape(-1, 1)
         scores = policy.mask_scores(
             raw, together, rule.sink_tokens, rule.recent_window, point_rows, live.flatten(0, 1)
         )

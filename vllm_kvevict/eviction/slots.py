@@ -17,7 +17,7 @@ import torch
 
 from vllm_kvevict.eviction.allocation import allocate_request_tokens
 from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
-from vllm_kvevict.eviction.head_pages import VotedTokens, compacts_together, window_inputs
+from vllm_kvevict.eviction.head_pages import ScoredTokens, compacts_together, window_inputs, window_sizes
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
 from vllm_kvevict.schedule import cdiv
@@ -52,7 +52,8 @@ def evict_slots_many(
     keeps, or None when nothing moved. One read of the device for every
     request (:func:`~vllm_kvevict.eviction.select.choose_kept_many`).
     Where :func:`~vllm_kvevict.eviction.head_pages.compacts_together` (the
-    device path, SnapKV from the window votes), the requests whose frontier
+    device path: SnapKV, H2O, TOVA from the window votes; Knorm, KeyDiff,
+    StreamingLLM from the tokens), the requests whose frontier
     moves are evicted as one batch (:func:`_evict_together`)."""
     bs = cache.block_size
     if evictions and compacts_together(cache, rule, evictions):
@@ -110,7 +111,9 @@ def _evict_together(
     fill whole head-pages from the block ``frontier_before // bs`` (its page
     table, at their original positions), the tokens since its last point
     are its standard slots; the window-score kernel votes for every request
-    and head in one call, one scoring and one top-k choose, and the
+    and head in one call (or one gather reads their tokens,
+    :class:`~vllm_kvevict.eviction.head_pages.ScoredTokens`), one scoring
+    and one top-k choose, and the
     compaction kernel moves each head's kept tokens, in order, into its
     slots from ``frontier_after`` (whole head-pages of the request's
     blocks), one launch for every request. Nothing else is read but the
@@ -142,11 +145,11 @@ def _evict_together(
     block_rows = torch.stack([e.block_row for e in chosen])  # [R, NB]
     positions = torch.stack([e.rows.positions for e in chosen])  # [R, H, C]
     device = block_rows.device
-    windows = window_inputs(chosen, device)
+    windows = window_inputs(chosen, device, rule.policy)
     host = torch.tensor([
         ends, [ev.point for ev in evs], [ev.frontier_before // bs for ev in evs],
         [ev.frontier_after // bs for ev in evs], compacted, keeps, [num_heads * n for n in keeps],
-        [w.queries.shape[1] for w in windows],  # type: ignore[union-attr]
+        window_sizes(windows),
     ], dtype=torch.int64).to(device)
     num_requests = len(chosen)
     # Head h's kept tokens before and after: whole head-pages of the blocks
@@ -159,7 +162,7 @@ def _evict_together(
         return (block_rows.long().gather(1, index)[:, None, :] * num_heads + heads).to(torch.int32)  # [R, H, P]
 
     pages, lens = head_pages(host[2]), host[4][:, None].expand(-1, num_heads)
-    voted = VotedTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
+    voted = ScoredTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
                               width)
     if voted is None:
         return None

@@ -146,6 +146,9 @@ class EvictionPolicy(ABC):
     policy then reads nothing but the votes and ``key_positions`` (no
     queries, keys or values: the engine may leave them unread) and splits no
     layer by head. Without them it computes the same votes from the queries."""
+    voting_queries: ClassVar[int | None] = None
+    """With :attr:`reads_window_votes`: the votes are those of the window's
+    last ``voting_queries`` queries (TOVA's one), or of all of them (None)."""
     needs_reconstruction: ClassVar[bool] = False
     """Scores with the attention each token received while the model repeated
     the prompt (:mod:`kvzip`), passed as ``reconstruction``: computed by an
@@ -156,6 +159,12 @@ class EvictionPolicy(ABC):
     tokens first, then ``PADDING_POSITION``) is scored whole: the policy does
     no work on the padding itself, so the engine need not split the layer
     into one call per head (:func:`~vllm_kvevict.eviction.select.score_heads`)."""
+    scores_rows_apart: ClassVar[bool] = False
+    """Each KV head's row is scored from its own keys, values and
+    ``key_positions`` alone (no queries, no statistic shared across the
+    heads of a layer; padding, at ``PADDING_POSITION`` with zero keys and
+    values, changes no other token's score), so the rows of several
+    requests can be scored as one layer of ``R * H`` heads."""
     global_scores: ClassVar[bool] = False
     """Scores sit on one scale across layers, so one ranking over every
     (layer, KV head) can split the budget (``head_budget: global``)."""

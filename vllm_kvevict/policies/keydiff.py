@@ -23,6 +23,7 @@ class KeyDiffPolicy(EvictionPolicy):
     """
 
     name = "keydiff"
+    scores_rows_apart = True
     anchor: str = "normalized"
 
     def __post_init__(self) -> None:

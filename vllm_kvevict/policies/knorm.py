@@ -14,6 +14,7 @@ class KnormPolicy(EvictionPolicy):
     attention, so keep the lowest norms: ``score_i = -‖k_i‖``. Query-free."""
 
     name = "knorm"
+    scores_rows_apart = True
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return -inputs.keys.float().norm(dim=-1)

@@ -17,6 +17,7 @@ class StreamingLLMPolicy(EvictionPolicy):
     """
 
     name = "streamingllm"
+    scores_rows_apart = True
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return inputs.key_positions.float()
