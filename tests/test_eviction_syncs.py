@@ -34,7 +34,7 @@ from vllm_kvevict.eviction.point import (
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
-from vllm_kvevict.policies import ScoringInputs, make_policy
+from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs, make_policy
 from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages_reference
@@ -45,6 +45,7 @@ BLOCK, DIM, GROUP, WINDOW, BUDGET, SINKS, RECENT = 16, 16, 2, 8, 64, 4, 8
 # the second, counted, falls inside a block (a partial block released).
 FIRST, SECOND = 160, 232
 REQUESTS, HEADS = (1, 4, 16), (1, 4)
+ROPE = RotaryFrequencies(1.0 / 10000 ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM))
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +142,7 @@ class Requests:
         queries, query_positions = window if window is not None else self.observation(r, ev)
 
         def inputs(keys, values, positions, evicted):
-            return ScoringInputs(keys, values, positions, queries, query_positions, DIM**-0.5, evicted)
+            return ScoringInputs(keys, values, positions, queries, query_positions, DIM**-0.5, evicted, rotary=ROPE)
 
         return inputs
 
@@ -222,6 +223,9 @@ CASES = {
     "head_pages, AdaKV + SnapKV": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2)), 3),
     "head_pages, TOVA": (lambda r, h: head_pages_step(r, h, UniformAllocation(), "tova"), 3),
     "head_pages, AdaKV + KeyDiff": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "keydiff"), 3),
+    "head_pages, AdaKV + Expected Attention": (
+        lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "expected_attention"), 3
+    ),
     "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
@@ -316,11 +320,13 @@ def request_by_request(policy):
     with its window queries itself (no votes), its rows never stacked with
     another request's."""
     alone = type(f"Alone{type(policy).__name__}", (type(policy),),
-                 {"reads_window_votes": False, "scores_rows_apart": False})
-    return alone(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+                 {"reads_window_votes": False, "scores_rows_apart": False, "scores_stacked_requests": False})
+    return alone(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm"])
+@pytest.mark.parametrize(
+    "policy", ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention"]
+)
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
     """The requests of a step evicted as one batch, each at its own point
@@ -328,7 +334,8 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
     compact again, keep, write and record what the policy scoring each
     request alone keeps: attending head by head (SnapKV; H2O, whose sum over
     the window is the votes times W; TOVA, the last query's attention), or
-    from each request's own tokens (Knorm, KeyDiff, StreamingLLM)."""
+    from each request's own tokens (Knorm, KeyDiff, StreamingLLM) and window
+    (Expected Attention, the statistics of each request's queries)."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32, 80]
     firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]

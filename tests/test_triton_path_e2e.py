@@ -9,9 +9,10 @@ served by vLLM's CPU platform, the kernels under Triton's interpreter
 For each storage, greedy fp32 token ids equal both the native CPU path (C++
 kernels, vLLM's page order) and the transformers reference decoder applying
 the same eviction: SnapKV (slots), AdaKV+SnapKV (head pages), H2O (slots),
-TOVA and KeyDiff on AdaKV (head pages: TOVA from the window-score kernel's
-votes of the last query, KeyDiff from the keys read by address, each scored
-as one batch of the step's requests), MomentKV (the correction on) and the
+TOVA, KeyDiff and Expected Attention on AdaKV (head pages: TOVA from the
+window-score kernel's votes of the last query, KeyDiff and Expected Attention
+from the tokens read by address, each scored as one batch of the step's
+requests), MomentKV (the correction on) and the
 learned policy (global eviction, with seeded random gates) on the tiny
 random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
@@ -52,6 +53,7 @@ CASES = {
     "h2o-slots": {"policy": "h2o", **EVICTION},
     "tova-head-pages": {"policy": "tova", **EVICTION, "head_budget": "adaptive"},
     "keydiff-head-pages": {"policy": "keydiff", **EVICTION, "head_budget": "adaptive"},
+    "expected-attention": {"policy": "expected_attention", **EVICTION},  # AdaKV head pages by default
     "momentkv": {"policy": "momentkv", **EVICTION},
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }

@@ -38,7 +38,7 @@ from vllm_kvevict.eviction.cache_ops import (
 )
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
-from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs
+from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs, StackedWindows
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.top_k import select_top
 
@@ -329,16 +329,23 @@ def stacked_window_votes(
     rows past its length repeat its last row, which the kernel does not
     read)."""
     assert implements(cache, ScoresWindows)
-    first = inputs[0]
-    assert first.queries is not None
+    return cache.window_votes(
+        stacked_queries(inputs, query_lens), query_lens, pages, lens, positions, block_rows, starts, points,
+        inputs[0].scale, width,
+    )
+
+
+def stacked_queries(inputs: Sequence[ScoringInputs], query_lens: torch.Tensor) -> torch.Tensor:
+    """The window queries of the requests' ``inputs`` (``query_lens``: their
+    lengths on the device) padded to the longest, ``[R, Hq, W, D]``, by one
+    concatenation and one gather (a shorter window's rows past its length
+    repeat its last row)."""
+    assert inputs[0].queries is not None
     window = max(i.queries.shape[1] for i in inputs)  # type: ignore[union-attr]
     flat = torch.cat([i.queries for i in inputs], dim=1)  # type: ignore[misc]  # [Hq, sum W_r, D]
     sizes = query_lens.to(device=flat.device, dtype=torch.int64)
     row = torch.minimum(torch.arange(window, device=flat.device)[None, :], (sizes - 1).clamp(min=0)[:, None])
-    queries = flat[:, (sizes.cumsum(0) - sizes)[:, None] + row].transpose(0, 1)  # [R, Hq, W, D]
-    return cache.window_votes(
-        queries, query_lens, pages, lens, positions, block_rows, starts, points, first.scale, width
-    )
+    return flat[:, (sizes.cumsum(0) - sizes)[:, None] + row].transpose(0, 1)
 
 
 def compact_head_pages(
@@ -447,12 +454,13 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
     refines nothing and scores either from the window votes and the tokens'
     positions alone (``reads_window_votes``: SnapKV, H2O, TOVA), where the
     cache computes the votes, or each head's row from its own tokens
-    (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM), where the cache
-    reads tokens by address; split by an allocation that splits requests
+    (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM) and its request's
+    window (``scores_stacked_requests``: Expected Attention), where the
+    cache reads tokens by address; split by an allocation that splits requests
     together (uniform, AdaKV), with no moments to fold."""
     policy = rule.policy
     scored_together = (policy.reads_window_votes and implements(cache, ScoresWindows)) or (
-        policy.scores_rows_apart and implements(cache, ReadsTokens)
+        (policy.scores_rows_apart or policy.scores_stacked_requests) and implements(cache, ReadsTokens)
     )
     return (
         scored_together
@@ -558,7 +566,8 @@ class ScoredTokens:
         the window-score kernel and the positions alone
         (``reads_window_votes``: no key or value is read; a compaction
         moves the kept ones by address), or from the tokens read by address
-        in one gather (``scores_rows_apart``); marked as
+        in one gather (``scores_rows_apart``; ``scores_stacked_requests``
+        with every request's window, :class:`StackedWindows`); marked as
         :meth:`~EvictionPolicy.mask_scores` marks them at each request's
         point. ``None`` when the policy raised (the request-by-request path
         reports it and falls back)."""
@@ -577,7 +586,14 @@ class ScoredTokens:
             )
         else:
             keys, values = cache.read_tokens(addresses.flatten(0, 1), live.flatten(0, 1))  # type: ignore[attr-defined]
-            together = ScoringInputs(keys, values, key_positions.flatten(0, 1), None, None, windows[0].scale)
+            stacked = None
+            if policy.scores_stacked_requests:
+                stacked = StackedWindows(stacked_queries(windows, query_lens), query_lens, points)
+            first = windows[0]
+            together = ScoringInputs(
+                keys, values, key_positions.flatten(0, 1), None, None, first.scale, rotary=first.rotary,
+                output_projection=first.output_projection, windows=stacked,
+            )
         try:
             raw = policy.score(together).float()
         except Exception:

@@ -25,6 +25,9 @@ Shapes (one request, one layer)::
                      (reads_window_votes), or None
     reconstruction   [H, S] fp32 each token's attention while the model
                      repeated the prompt (kvzip), or None
+    windows          R requests' observation windows when the rows are
+                     R requests' KV heads stacked (StackedWindows, for
+                     scores_stacked_requests), or None
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -59,6 +62,26 @@ class RotaryFrequencies:
 
 
 @dataclass
+class StackedWindows:
+    """The observation windows of ``R`` requests whose KV heads are scored as
+    one layer of ``R * H`` rows (request ``r``'s heads the rows ``[r * H,
+    (r + 1) * H)``). ``queries [R, Hq, W, D]``: request ``r``'s window is
+    its rows ``[0, lens[r])``, the queries at positions ``[points[r] -
+    lens[r], points[r])``; its other rows are padding."""
+
+    queries: torch.Tensor  # [R, Hq, W, D]
+    lens: torch.Tensor  # [R] int64
+    points: torch.Tensor  # [R] int64
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's position and whether it is a query of its window
+        (``[R, W]`` each), on the device: nothing read back."""
+        row = torch.arange(self.queries.shape[2], device=self.queries.device)[None, :]
+        positions = self.points[:, None] - self.lens[:, None] + row
+        return positions, row < self.lens[:, None]
+
+
+@dataclass
 class ScoringInputs:
     keys: torch.Tensor
     values: torch.Tensor
@@ -73,6 +96,7 @@ class ScoringInputs:
     step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
     window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
     reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
+    windows: StackedWindows | None = None  # R requests' windows, for scores_stacked_requests
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -165,6 +189,12 @@ class EvictionPolicy(ABC):
     heads of a layer; padding, at ``PADDING_POSITION`` with zero keys and
     values, changes no other token's score), so the rows of several
     requests can be scored as one layer of ``R * H`` heads."""
+    scores_stacked_requests: ClassVar[bool] = False
+    """Scores the KV heads of ``R`` requests stacked as one layer of ``R *
+    H`` rows, each request's rows with statistics of its own window
+    (``windows``: :class:`StackedWindows`, in place of ``queries``), and
+    the rows' padding changes no other token's score: the engine may score
+    every request of a layer in one call."""
     global_scores: ClassVar[bool] = False
     """Scores sit on one scale across layers, so one ranking over every
     (layer, KV head) can split the budget (``head_budget: global``)."""

@@ -28,13 +28,16 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     ``s`` is the model's softmax scale (1/√d in the paper). As in the
     authors' kvpress code, the first ``num_sink`` tokens are left out of the
     softmax and of the statistics and always kept. The value norm ‖v‖
-    replaces ‖W_O v‖ as in all the paper's experiments.
+    replaces ‖W_O v‖ as in all the paper's experiments. Where the engine
+    stacks the KV heads of several requests into one layer (``windows``),
+    each request's ``μ`` and ``Σ`` come from its own window.
     """
 
     name = "expected_attention"
     needs_queries = True
     needs_rotary = True
     scores_ragged_heads = True  # the statistics once per layer, the rest over each head's tokens
+    scores_stacked_requests = True  # each request's statistics from its own window, in one pass
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"  # kvpress's registry wraps it in AdaKV
     default_observation_window = 128  # the paper's buffer of recent hidden states
@@ -50,9 +53,9 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             raise ValueError(f"expected_attention num_future must be >= 1, got {self.num_future}")
         if self.num_sink < 0:
             raise ValueError(f"expected_attention num_sink must be >= 0, got {self.num_sink}")
-        # averaged_turn's factors of the latest eviction points: every layer of
-        # a point caches the same query positions (a few points share a step).
-        self._turns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The averaged turn of each query age (:meth:`_turns_by_age`): the
+        # same for every layer and every eviction point of a window length.
+        self._turns: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def expected_probs(self, inputs: ScoringInputs) -> torch.Tensor:
         """``â`` of Eq. 8 per query head, ``[Hq, S]`` float64; sinks and padding 0."""
@@ -63,11 +66,14 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     def _by_head(self, inputs: ScoringInputs, compute: Callable[..., torch.Tensor]) -> torch.Tensor:
         """``compute(keys, values, positions, μ̄, Σ̄, scale)`` over the layer,
-        the statistics taken once: every head at once when none is padded,
-        else each head over its own tokens (real tokens first, then padding),
-        so no work is spent on padding, which gets 0."""
+        the statistics taken once: every head at once when none is padded or
+        when the rows are several requests' (``windows``: one call, the
+        padding scored 0), else each head over its own tokens (real tokens
+        first, then padding), so no work is spent on padding, which gets 0."""
         mean_bar, cov_bar = self._statistics(inputs)
         keys, values, positions = inputs.keys, inputs.values, inputs.key_positions
+        if inputs.windows is not None:
+            return compute(keys, values, positions, mean_bar, cov_bar, inputs.scale)
         num_keys = keys.shape[1]
         lengths = (positions < PADDING_POSITION).sum(-1).tolist()
         if min(lengths, default=0) == num_keys:
@@ -87,48 +93,62 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     def _statistics(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``μ̄`` ``[H, G, D]`` and ``Σ̄`` as ``[H, D, G * D]`` (query head
         ``h * G + g`` reads KV head ``h``; None without the covariance term),
-        fp32: the cache's precision at most."""
-        assert inputs.queries is not None and inputs.query_positions is not None
+        fp32: the cache's precision at most. ``H`` rows of ``R`` requests
+        (``windows``) take each request's from its own window."""
         assert inputs.rotary is not None, "expected_attention needs the model's RoPE"
-        num_kv_heads, _, head_dim = inputs.keys.shape
-        num_q_heads = inputs.queries.shape[0]
-        group = num_q_heads // num_kv_heads
-        queries, query_positions = inputs.queries, inputs.query_positions
-        stats = query_positions >= self.num_sink
-        if not bool(stats.all()):
-            queries, query_positions = queries[:, stats], query_positions[stats]
+        if inputs.windows is not None:
+            queries = inputs.windows.queries  # [R, Hq, W, D]
+            positions, in_window = inputs.windows.positions()
+            last = inputs.windows.points[:, None] - 1
+            oldest = queries.shape[2]  # ages 0 .. W - 1 (padding rows' negative ones are not counted)
+        else:
+            assert inputs.queries is not None and inputs.query_positions is not None
+            queries, positions = inputs.queries[None], inputs.query_positions[None]
+            in_window = torch.ones_like(positions, dtype=torch.bool)
+            last = positions.max(-1, keepdim=True).values
+            oldest = int(last.max() - positions.min()) + 1 if positions.numel() else 0
+        num_requests, num_q_heads, window, head_dim = queries.shape
         # The statistics of R̄q, which are R̄μ and R̄ΣR̄ᵀ (R̄ is linear): each
-        # cached query unrotated and averaged over the future in one turn.
-        last = int(inputs.query_positions.max())
-        future = averaged_from(
-            queries, query_positions, inputs.rotary, last, self.num_future,
-            self._turn(query_positions, inputs.rotary, last),
-        )  # [Hq, m, D]
-        num_queries = future.shape[1]
-        mean_bar = future.mean(dim=1) if num_queries else future.new_zeros(num_q_heads, head_dim)
-        mean_bar = mean_bar.float().view(num_kv_heads, group, head_dim)
-        if not (self.use_covariance and num_queries):
-            return mean_bar, None
-        centred = future - mean_bar.view(num_q_heads, 1, head_dim)
-        cov_bar = centred.transpose(1, 2) @ centred / num_queries  # biased, as the paper
-        cov_bar = cov_bar.float().view(num_kv_heads, group, head_dim, head_dim)
+        # cached query unrotated and averaged over the future in one turn,
+        # which depends on the query's age at its window's last query alone.
+        ages = (last - positions).clamp(min=0)  # [R, W]
+        cos, sin = self._turns_by_age(inputs.rotary, oldest, queries.device)
+        turn = cos[ages][:, None], sin[ages][:, None]  # [R, 1, W, D/2] each
+        future = averaged_from(queries, -ages, inputs.rotary, 0, self.num_future, turn)  # [R, Hq, W, D]
+        counted = (in_window & (positions >= self.num_sink))[:, None, :, None]
+        # One request's window, every query counted (past the sinks): no mask to apply.
+        every = inputs.windows is None and bool(counted.all())
+        if not every:
+            future = future * counted
+        num_queries = counted.sum(2, keepdim=True).clamp(min=1)  # [R, 1, 1, 1]
+        mean_bar = future.sum(dim=2, keepdim=True) / num_queries  # [R, Hq, 1, D]
+        num_kv_heads = inputs.keys.shape[0]
+        group = num_requests * num_q_heads // num_kv_heads
+        if not self.use_covariance:
+            return mean_bar.float().reshape(num_kv_heads, group, head_dim), None
+        centred = future - mean_bar if every else (future - mean_bar) * counted
+        cov_bar = centred.transpose(-1, -2) @ centred / num_queries  # [R, Hq, D, D], biased, as the paper
+        cov_bar = cov_bar.float().reshape(num_kv_heads, group, head_dim, head_dim)
+        mean_bar = mean_bar.float().reshape(num_kv_heads, group, head_dim)
         return mean_bar, cov_bar.permute(0, 2, 1, 3).reshape(num_kv_heads, head_dim, -1)
 
-    def _turn(
-        self, positions: torch.Tensor, rotary: RotaryFrequencies, last: int
+    def _turns_by_age(
+        self, rotary: RotaryFrequencies, ages: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`averaged_turn` for these positions, computed once per
-        eviction point rather than once per layer."""
-        key = (
-            tuple(positions.tolist()), last, tuple(rotary.inv_freq.tolist()), rotary.neox,
-            rotary.attention_scaling,
-        )
-        turn = self._turns.get(key)
-        if turn is None:
+        """:func:`averaged_turn`'s factors for a query ``a`` positions before
+        its window's last one, ``a < ages`` (``[ages, D/2]`` each): the turn
+        depends on nothing else, so they are computed once per window length
+        and model, not per layer and point."""
+        key = (ages, id(rotary.inv_freq), rotary.neox, rotary.attention_scaling, str(device))
+        turns = self._turns.get(key)
+        if turns is None:
             if len(self._turns) >= 8:
                 self._turns.clear()
-            turn = self._turns[key] = averaged_turn(positions, rotary, last, self.num_future)
-        return turn
+            ago = torch.arange(ages, device=rotary.inv_freq.device)
+            cos, sin = averaged_turn(-ago, rotary, 0, self.num_future)
+            # inv_freq held with them: its id names no other tensor while cached.
+            turns = self._turns[key] = (rotary.inv_freq, cos.to(device), sin.to(device))
+        return turns[1], turns[2]
 
     def _probs(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
