@@ -58,6 +58,8 @@ PAIRS = [
     ("defensivekv_per_chunk", "defensivekv", "DefensiveKV evicting per prompt chunk (query-agnostic) against once at the end"),
     ("layer_defensivekv_per_chunk", "layer_defensivekv", "Layer-DefensiveKV per prompt chunk against once at the end"),
     ("layer_defensivekv_per_chunk", "snapkv", "Layer-DefensiveKV per prompt chunk (query-agnostic) against SnapKV at the end"),
+    ("defensivekv_floor0", "defensivekv", "DefensiveKV without AdaKV's per-head floor against the shipped 0.2"),
+    ("layer_defensivekv+agnostic", "full", "Layer-DefensiveKV on the context alone against the full cache"),
     # Query-agnostic (NAME+agnostic): the context evicted before the question
     # is read, as KVzip and DefensiveKV report.
     ("kvzip+agnostic", "snapkv", "KVzip on the context alone against query-aware SnapKV"),
