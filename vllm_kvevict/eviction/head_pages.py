@@ -277,8 +277,7 @@ def window_votes_many(
     shapes: nothing is read back."""
     first = inputs[0]
     host = torch.tensor(
-        [[i.queries.shape[1] for i in inputs], list(starts), [e.ev.point for e in evictions]],  # type: ignore[union-attr]
-        dtype=torch.int32,
+        [window_sizes(inputs), list(starts), [e.ev.point for e in evictions]], dtype=torch.int32,
     ).to(first.keys.device)
     widths = [i.keys.shape[1] for i in inputs]
     votes = stacked_window_votes(
@@ -574,14 +573,14 @@ class ScoredTokens:
         addresses, live, key_positions = live_tokens_many(
             pages, lens, positions, block_rows, starts, points, width, cache.block_size
         )
-        policy = rule.policy
+        policy, first = rule.policy, windows[0]
         if policy.reads_window_votes:
             votes = stacked_window_votes(
                 cache, windows, query_lens, pages, lens, positions, block_rows, starts, points, width
             )
             unread = votes.new_empty(votes.shape[0] * votes.shape[1], width, 0)
             together = ScoringInputs(
-                unread, unread, key_positions.flatten(0, 1), None, None, windows[0].scale,
+                unread, unread, key_positions.flatten(0, 1), None, None, first.scale,
                 window_votes=votes.flatten(0, 1),
             )
         else:
@@ -589,7 +588,6 @@ class ScoredTokens:
             stacked = None
             if policy.scores_stacked_requests:
                 stacked = StackedWindows(stacked_queries(windows, query_lens), query_lens, points)
-            first = windows[0]
             together = ScoringInputs(
                 keys, values, key_positions.flatten(0, 1), None, None, first.scale, rotary=first.rotary,
                 output_projection=first.output_projection, windows=stacked,

@@ -53,7 +53,7 @@ def evict_slots_many(
     request (:func:`~vllm_kvevict.eviction.select.choose_kept_many`).
     Where :func:`~vllm_kvevict.eviction.head_pages.compacts_together` (the
     device path: SnapKV, H2O, TOVA from the window votes; Knorm, KeyDiff,
-    StreamingLLM from the tokens), the requests whose frontier
+    StreamingLLM, Expected Attention from the tokens), the requests whose frontier
     moves are evicted as one batch (:func:`_evict_together`)."""
     bs = cache.block_size
     if evictions and compacts_together(cache, rule, evictions):

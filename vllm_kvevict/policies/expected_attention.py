@@ -99,13 +99,17 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         if inputs.windows is not None:
             queries = inputs.windows.queries  # [R, Hq, W, D]
             positions, in_window = inputs.windows.positions()
+            counted = in_window & (positions >= self.num_sink)
             last = inputs.windows.points[:, None] - 1
             oldest = queries.shape[2]  # ages 0 .. W - 1 (padding rows' negative ones are not counted)
         else:
             assert inputs.queries is not None and inputs.query_positions is not None
             queries, positions = inputs.queries[None], inputs.query_positions[None]
-            in_window = torch.ones_like(positions, dtype=torch.bool)
             last = positions.max(-1, keepdim=True).values
+            counted = positions[0] >= self.num_sink
+            if not bool(counted.all()):  # the sinks' own queries leave the statistics
+                queries, positions = queries[:, :, counted], positions[:, counted]
+            counted = None  # every row left counts
             oldest = int(last.max() - positions.min()) + 1 if positions.numel() else 0
         num_requests, num_q_heads, window, head_dim = queries.shape
         # The statistics of R̄q, which are R̄μ and R̄ΣR̄ᵀ (R̄ is linear): each
@@ -115,18 +119,18 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         cos, sin = self._turns_by_age(inputs.rotary, oldest, queries.device)
         turn = cos[ages][:, None], sin[ages][:, None]  # [R, 1, W, D/2] each
         future = averaged_from(queries, -ages, inputs.rotary, 0, self.num_future, turn)  # [R, Hq, W, D]
-        counted = (in_window & (positions >= self.num_sink))[:, None, :, None]
-        # One request's window, every query counted (past the sinks): no mask to apply.
-        every = inputs.windows is None and bool(counted.all())
-        if not every:
+        if counted is None:
+            num_queries: int | torch.Tensor = max(window, 1)
+        else:  # R windows: each request's rows past its length, and its sinks' queries, masked
+            counted = counted[:, None, :, None]
             future = future * counted
-        num_queries = counted.sum(2, keepdim=True).clamp(min=1)  # [R, 1, 1, 1]
+            num_queries = counted.sum(2, keepdim=True).clamp(min=1)  # [R, 1, 1, 1]
         mean_bar = future.sum(dim=2, keepdim=True) / num_queries  # [R, Hq, 1, D]
         num_kv_heads = inputs.keys.shape[0]
         group = num_requests * num_q_heads // num_kv_heads
         if not self.use_covariance:
             return mean_bar.float().reshape(num_kv_heads, group, head_dim), None
-        centred = future - mean_bar if every else (future - mean_bar) * counted
+        centred = future - mean_bar if counted is None else (future - mean_bar) * counted
         cov_bar = centred.transpose(-1, -2) @ centred / num_queries  # [R, Hq, D, D], biased, as the paper
         cov_bar = cov_bar.float().reshape(num_kv_heads, group, head_dim, head_dim)
         mean_bar = mean_bar.float().reshape(num_kv_heads, group, head_dim)
