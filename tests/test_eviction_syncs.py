@@ -33,6 +33,7 @@ from vllm_kvevict.eviction.point import (
 )
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.eviction.slots import evict_slots_many
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs, make_policy
 from vllm_kvevict.policies.h2o import H2OPolicy
@@ -81,7 +82,9 @@ class Requests:
     """``num_requests`` requests' blocks in one cache of ``layers`` layers'
     blocks, their side-buffer rows and query rings."""
 
-    def __init__(self, num_requests: int, num_heads: int, layers: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self, num_requests: int, num_heads: int, layers: int = 1, seed: int = 0, moments: bool = False
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.num_heads, self.layers = num_heads, layers
         self.blocks_per_layer = num_requests * 16 + 4
@@ -98,6 +101,7 @@ class Requests:
                     torch.zeros(num_heads, capacity * BLOCK, dtype=torch.int64),
                     torch.zeros(num_heads, capacity, dtype=torch.int32),
                     torch.zeros(num_heads, dtype=torch.int32),
+                    EvictedMoments.zeros(None, num_heads, DIM) if moments else None,
                 )
                 for _ in range(layers)
             ]
@@ -176,7 +180,7 @@ class Requests:
 
 
 def head_pages_step(num_requests: int, num_heads: int, allocation, name: str = "snapkv") -> HostReads:
-    requests = Requests(num_requests, num_heads)
+    requests = Requests(num_requests, num_heads, moments=make_policy(name).needs_moments)
     rule = KeepRule(make_policy(name), allocation, SINKS, RECENT)
     observer = EvictionObserver()
     compact_head_pages_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
@@ -225,6 +229,9 @@ CASES = {
     "head_pages, AdaKV + KeyDiff": (lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "keydiff"), 3),
     "head_pages, AdaKV + Expected Attention": (
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "expected_attention"), 3
+    ),
+    "head_pages, MomentKV (AdaKV, moments)": (
+        lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "momentkv"), 3
     ),
     "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
@@ -325,7 +332,8 @@ def request_by_request(policy):
 
 
 @pytest.mark.parametrize(
-    "policy", ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention"]
+    "policy",
+    ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention", "momentkv", "snapkv+moments"],
 )
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
@@ -335,14 +343,18 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
     request alone keeps: attending head by head (SnapKV; H2O, whose sum over
     the window is the votes times W; TOVA, the last query's attention), or
     from each request's own tokens (Knorm, KeyDiff, StreamingLLM) and window
-    (Expected Attention, the statistics of each request's queries)."""
+    (Expected Attention, the statistics of each request's queries; MomentKV,
+    each request's moments and rounds, the evicted tokens folded into its
+    moments; SnapKV with moment_correction, its evicted tokens folded)."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32, 80]
     firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
     seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
     seed = int(torch.randint(0, 1000, (), generator=gen))
-    together, alone = Requests(len(budgets), 3, seed=seed), Requests(len(budgets), 3, seed=seed)
-    voting = make_policy(policy, {"kernel_size": 7} if policy == "snapkv" else {})
+    name, _, corrected = policy.partition("+")
+    voting = make_policy(name, {"kernel_size": 7} if name == "snapkv" else {})
+    moments = voting.needs_moments or corrected == "moments"
+    together, alone = (Requests(len(budgets), 3, seed=seed, moments=moments) for _ in range(2))
     attending = request_by_request(voting)
     voted = KeepRule(voting, allocation, SINKS, RECENT)
     head_by_head = KeepRule(attending, allocation, SINKS, RECENT)
@@ -377,6 +389,10 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
         for a, b in zip(rows_together, rows_alone):
             assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
             assert torch.equal(a.lens, b.lens)
+            if a.moments is not None:
+                assert bool(a.moments.count.gt(0).any())  # evicted tokens folded
+                for got, want in zip(a.moments._buffers(), b.moments._buffers()):
+                    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff"])

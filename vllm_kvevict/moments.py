@@ -26,6 +26,7 @@ split-KV partials (:func:`merge_partial_states`)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -105,6 +106,24 @@ class EvictedMoments:
     def row(self, row: int) -> EvictedMoments:
         """Row ``row``'s heads, ``[H, ...]`` views."""
         return self[row]
+
+    @classmethod
+    def stack(cls, rows: Sequence[EvictedMoments]) -> EvictedMoments:
+        """``R`` rows' statistics (``[H, ...]`` each) as one ``[R, H, ...]``
+        copy: one stack per buffer, however many rows."""
+        return cls(*(torch.stack(buffers) for buffers in zip(*(row._buffers() for row in rows))))
+
+    def unstack_into(self, rows: Sequence[EvictedMoments]) -> None:
+        """The inverse of :meth:`stack`: row ``r`` of these ``[R, H, ...]``
+        statistics into ``rows[r]`` (views of their buffers), in one
+        multi-tensor copy."""
+        targets = [target for row in rows for target in row._buffers()]
+        torch._foreach_copy_(targets, [b[r] for r in range(len(rows)) for b in self._buffers()])
+
+    def heads(self) -> EvictedMoments:
+        """``[R, H, ...]`` statistics as ``[R * H, ...]`` (views): the rows of
+        ``R`` requests' KV heads stacked as one layer of heads."""
+        return EvictedMoments(*(b.flatten(0, 1) for b in self._buffers()))
 
     def reset(self, row: int) -> None:
         for buffer in self._buffers():

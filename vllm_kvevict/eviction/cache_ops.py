@@ -82,11 +82,13 @@ class CompactsInPlace(Protocol):
         kept: torch.Tensor,
         kept_lens: torch.Tensor,
         page_table: torch.Tensor,
+        moments: EvictedMoments | None = None,
     ) -> None:
-        """:meth:`compact` of ``R`` requests at once, their evicted tokens
-        dropped: each argument with a leading ``[R]`` (``addresses
-        [R, H, S]``, ``live_lens [R, H]``, ``kept [R, H, K]``, ``kept_lens
-        [R, H]``, ``page_table [R, H, P]``). Every read before every write."""
+        """:meth:`compact` of ``R`` requests at once: each argument with a
+        leading ``[R]`` (``addresses [R, H, S]``, ``live_lens [R, H]``,
+        ``kept [R, H, K]``, ``kept_lens [R, H]``, ``page_table [R, H, P]``,
+        ``moments [R, H, ...]``: request ``r``'s evicted tokens folded into
+        its row ``r``; ``None``: dropped). Every read before every write."""
 
 
 @runtime_checkable

@@ -38,6 +38,7 @@ from vllm_kvevict.eviction.cache_ops import (
 )
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
+from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.policies.base import PADDING_POSITION, EvictionPolicy, ScoringInputs, StackedWindows
 from vllm_kvevict.schedule import cdiv
 from vllm_kvevict.top_k import select_top
@@ -281,7 +282,8 @@ def window_votes_many(
     ).to(first.keys.device)
     widths = [i.keys.shape[1] for i in inputs]
     votes = stacked_window_votes(
-        cache, inputs, host[0], torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
+        cache, stacked_queries(inputs, host[0]), host[0], first.scale,
+        torch.stack([e.rows.pages for e in evictions]),  # type: ignore[misc]
         torch.stack([e.rows.lens for e in evictions]),  # type: ignore[misc]
         torch.stack([e.rows.positions for e in evictions]), torch.stack([e.block_row for e in evictions]),
         host[1], host[2], max(widths),
@@ -317,20 +319,16 @@ def window_sizes(windows: Sequence[ScoringInputs]) -> list[int]:
 
 
 def stacked_window_votes(
-    cache: CacheOps, inputs: Sequence[ScoringInputs], query_lens: torch.Tensor, pages: torch.Tensor,
+    cache: CacheOps, queries: torch.Tensor, query_lens: torch.Tensor, scale: float, pages: torch.Tensor,
     lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor, starts: torch.Tensor,
     points: torch.Tensor, width: int,
 ) -> torch.Tensor:
-    """The votes ``[R, H, width]`` of the requests whose ``inputs`` hold
-    their window queries (``query_lens``: their lengths on the device), the
-    rest stacked per request on the device. The queries are padded to the
-    longest window by one concatenation and one gather (a shorter window's
-    rows past its length repeat its last row, which the kernel does not
-    read)."""
+    """The votes ``[R, H, width]`` of the requests' window ``queries``
+    (:func:`stacked_queries`; ``query_lens``: their lengths on the device),
+    the rest stacked per request on the device."""
     assert implements(cache, ScoresWindows)
     return cache.window_votes(
-        stacked_queries(inputs, query_lens), query_lens, pages, lens, positions, block_rows, starts, points,
-        inputs[0].scale, width,
+        queries, query_lens, pages, lens, positions, block_rows, starts, points, scale, width,
     )
 
 
@@ -450,24 +448,32 @@ def compact_head_pages_many(
 def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
     """Whether a layer's evictions run as one batch of every request: on a
     cache that compacts in place (the device path's), for a policy that
-    refines nothing and scores either from the window votes and the tokens'
-    positions alone (``reads_window_votes``: SnapKV, H2O, TOVA), where the
-    cache computes the votes, or each head's row from its own tokens
-    (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM) and its request's
-    window (``scores_stacked_requests``: Expected Attention), where the
-    cache reads tokens by address; split by an allocation that splits requests
-    together (uniform, AdaKV), with no moments to fold."""
+    scores from the window votes (``reads_window_votes``: SnapKV, H2O,
+    TOVA), where the cache computes the votes, and from each head's row of
+    tokens alone (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM) or
+    with its request's window (``scores_stacked_requests``: Expected
+    Attention; MomentKV, with the votes, its rounds and its moments), where
+    the cache reads tokens by address; that refines nothing, or refines a
+    request's rows apart from the others' (``scores_stacked_requests``);
+    split by an allocation that splits requests together (uniform, AdaKV);
+    every request with moments to fold, or none."""
     policy = rule.policy
-    scored_together = (policy.reads_window_votes and implements(cache, ScoresWindows)) or (
-        (policy.scores_rows_apart or policy.scores_stacked_requests) and implements(cache, ReadsTokens)
-    )
+    votes, tokens = policy.reads_window_votes, reads_tokens(policy)
     return (
-        scored_together
-        and type(policy).refine_scores is EvictionPolicy.refine_scores
+        (votes or tokens)
+        and (not votes or implements(cache, ScoresWindows))
+        and (not tokens or implements(cache, ReadsTokens))
+        and (type(policy).refine_scores is EvictionPolicy.refine_scores or policy.scores_stacked_requests)
         and rule.allocation.splits_requests_together
         and implements(cache, CompactsInPlace)
-        and all(e.rows.moments is None for e in evictions)
+        and len({e.rows.moments is None for e in evictions}) == 1
     )
+
+
+def reads_tokens(policy: EvictionPolicy) -> bool:
+    """Whether ``policy`` scores a batch of requests from their tokens (read
+    by address), not from the window votes alone."""
+    return policy.scores_rows_apart or policy.scores_stacked_requests
 
 
 def _compact_together(
@@ -480,16 +486,19 @@ def _compact_together(
 ) -> list[torch.Tensor] | None:
     """:func:`compact_head_pages_many` for every request at once: the
     requests' token addresses padded to the longest (``[R, H, S]``), one
-    call of the window-score kernel (the only read of the keys; no value is
-    read but the kept ones, by the compaction) or one gather of the tokens
-    (:class:`ScoredTokens`), one scoring, one split and one top-k
-    (each request's allocation apart), one compaction launch, the side
-    buffers written with one multi-tensor copy each. Reads the device once
-    (NaN scores, pages used); ``None`` where a request's selection must fall
-    back (a NaN score, more pages than it keeps, a policy that raised), and
-    the caller evicts request by request, which reports and handles it.
-    Besides the host-sized uploads, the work per request is the backend's
-    scoring inputs (its observation queries) and the stacking of its rows."""
+    call of the window-score kernel (for a policy of the votes alone, the
+    only read of the keys; no value is read but the kept ones, by the
+    compaction) and/or one gather of the tokens (:class:`ScoredTokens`),
+    one scoring, one split (each request's allocation apart), the policy's
+    refinement of every request at once, one top-k, one compaction launch
+    folding the evicted tokens into the moments, the side buffers written
+    with one multi-tensor copy each. Reads the device once (NaN scores,
+    pages used), besides what the refinement reads; ``None`` where a
+    request's selection must fall back (a NaN score, more pages than it
+    keeps, a policy that raised), and the caller evicts request by request,
+    which reports and handles it. Besides the host-sized uploads, the work
+    per request is the backend's scoring inputs (its observation queries)
+    and the stacking of its rows."""
     bs, num_heads = cache.block_size, cache.num_heads
     points = [e.ev.point for e in evictions]
     starts = [max(e.ev.region_start, e.ev.protected_prefix) for e in evictions]
@@ -508,8 +517,9 @@ def _compact_together(
     host = torch.tensor(
         [starts, points, first_kept, kept_blocks, total_pages, floors, window_sizes(windows)], dtype=torch.int64
     ).to(device)
+    moments = EvictedMoments.stack([r.moments for r in rows]) if rows[0].moments is not None else None  # type: ignore[misc]
     voted = ScoredTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
-                              width)
+                               width, moments)
     if voted is None:
         return None
     num_requests = len(evictions)
@@ -521,11 +531,16 @@ def _compact_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
     if checks[0] or any(n > total for n, total in zip(checks[1:], total_pages)):
         return None
-    kept = select_top(voted.scores, counts.flatten(), width=min(width, max(total_pages) * bs))
+    scores = voted.refined(rule.policy, counts)
+    if scores is None:
+        return None
+    kept = select_top(scores, counts.flatten(), width=min(width, max(total_pages) * bs))
     kept = kept.unflatten(0, (num_requests, num_heads))
     free_pages = _kept_head_pages(block_rows, host[2], host[3], max(kept_blocks), num_heads)
     page_table = page_tables(free_pages, counts, bs, pages.shape[-1])
-    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, page_table)  # type: ignore[attr-defined]
+    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, page_table, moments)  # type: ignore[attr-defined]
+    if moments is not None:
+        moments.unstack_into([r.moments for r in rows])  # type: ignore[misc]
     # The side buffers: each request's rows are views of its own, one copy for all.
     torch._foreach_copy_([r.pages for r in rows], list(page_table.to(pages.dtype).unbind(0)))  # type: ignore[misc]
     columns = min(kept.shape[-1], positions.shape[-1])
@@ -553,45 +568,49 @@ class ScoredTokens:
     positions: torch.Tensor  # [R, H, S] original positions, PADDING_POSITION for padding
     raw: torch.Tensor  # [R * H, S] fp32, the policy's scores
     scores: torch.Tensor  # [R * H, S] the scores with the sinks, the recent window and padding marked
+    inputs: ScoringInputs  # what the policy scored, [R * H] rows (its refinement reads them too)
 
     @classmethod
     def score(
         cls, cache: CacheOps, rule: KeepRule, windows: Sequence[ScoringInputs], query_lens: torch.Tensor,
         pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
-        starts: torch.Tensor, points: torch.Tensor, width: int,
+        starts: torch.Tensor, points: torch.Tensor, width: int, moments: EvictedMoments | None = None,
     ) -> ScoredTokens | None:
         """Request ``r``'s tokens as :func:`live_tokens_many` finds them,
         scored by the policy (:func:`compacts_together`): from the votes of
-        the window-score kernel and the positions alone
-        (``reads_window_votes``: no key or value is read; a compaction
-        moves the kept ones by address), or from the tokens read by address
-        in one gather (``scores_rows_apart``; ``scores_stacked_requests``
-        with every request's window, :class:`StackedWindows`); marked as
-        :meth:`~EvictionPolicy.mask_scores` marks them at each request's
-        point. ``None`` when the policy raised (the request-by-request path
-        reports it and falls back)."""
+        the window-score kernel (``reads_window_votes``; with nothing else,
+        no key or value is read: a compaction moves the kept ones by
+        address) and/or the tokens read by address in one gather
+        (:func:`reads_tokens`; ``scores_stacked_requests`` with every
+        request's window, :class:`StackedWindows`, and its moments
+        ``[R, H, ...]``); marked as :meth:`~EvictionPolicy.mask_scores`
+        marks them at each request's point. ``None`` when the policy raised
+        (the request-by-request path reports it and falls back)."""
         addresses, live, key_positions = live_tokens_many(
             pages, lens, positions, block_rows, starts, points, width, cache.block_size
         )
         policy, first = rule.policy, windows[0]
+        queries = None
+        if (policy.reads_window_votes or policy.scores_stacked_requests) and first.queries is not None:
+            queries = stacked_queries(windows, query_lens)
+        votes = None
         if policy.reads_window_votes:
+            assert queries is not None
             votes = stacked_window_votes(
-                cache, windows, query_lens, pages, lens, positions, block_rows, starts, points, width
-            )
-            unread = votes.new_empty(votes.shape[0] * votes.shape[1], width, 0)
-            together = ScoringInputs(
-                unread, unread, key_positions.flatten(0, 1), None, None, first.scale,
-                window_votes=votes.flatten(0, 1),
-            )
-        else:
+                cache, queries, query_lens, first.scale, pages, lens, positions, block_rows, starts, points, width
+            ).flatten(0, 1)
+        if reads_tokens(policy):
             keys, values = cache.read_tokens(addresses.flatten(0, 1), live.flatten(0, 1))  # type: ignore[attr-defined]
-            stacked = None
-            if policy.scores_stacked_requests:
-                stacked = StackedWindows(stacked_queries(windows, query_lens), query_lens, points)
-            together = ScoringInputs(
-                keys, values, key_positions.flatten(0, 1), None, None, first.scale, rotary=first.rotary,
-                output_projection=first.output_projection, windows=stacked,
-            )
+        else:
+            keys = values = torch.empty(addresses.shape[0] * addresses.shape[1], width, 0, device=addresses.device)
+        stacked = None
+        if policy.scores_stacked_requests and queries is not None:
+            stacked = StackedWindows(queries, query_lens, points)
+        together = ScoringInputs(
+            keys, values, key_positions.flatten(0, 1), None, None, first.scale,
+            evicted=moments.heads() if moments is not None else None, rotary=first.rotary,
+            output_projection=first.output_projection, window_votes=votes, windows=stacked,
+        )
         try:
             raw = policy.score(together).float()
         except Exception:
@@ -600,7 +619,19 @@ class ScoredTokens:
         scores = policy.mask_scores(
             raw, together, rule.sink_tokens, rule.recent_window, point_rows, live.flatten(0, 1)
         )
-        return cls(addresses, live, key_positions, raw, scores)
+        return cls(addresses, live, key_positions, raw, scores, together)
+
+    def refined(self, policy: EvictionPolicy, counts: torch.Tensor) -> torch.Tensor | None:
+        """The scores the heads keep their ``counts [R, H]`` by: the
+        policy's refinement of every request at once (its
+        :meth:`~EvictionPolicy.refine_scores`, ``scores_stacked_requests``),
+        or the scores; ``None`` when the policy raised."""
+        if type(policy).refine_scores is EvictionPolicy.refine_scores:
+            return self.scores
+        try:
+            return policy.refine_scores(self.inputs, self.scores, counts.flatten())
+        except Exception:
+            return None
 
 
 def live_tokens_many(

@@ -174,7 +174,10 @@ def _evict_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
     if any(checks):  # a NaN score, or a head that cannot keep its count
         return None
-    kept = select_top(voted.scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
+    scores = voted.refined(rule.policy, counts)
+    if scores is None:
+        return None
+    kept = select_top(scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
     cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
     new_positions = voted.positions.gather(2, kept.clamp(min=0)).to(positions.dtype)
     torch._foreach_copy_(

@@ -167,9 +167,11 @@ class EvictionPolicy(ABC):
     observation window (``window_votes``) where the engine passes it: an
     engine whose cache computes those votes for every (request, KV head) of a
     layer at once (the Triton window-score kernel) passes them, and the
-    policy then reads nothing but the votes and ``key_positions`` (no
-    queries, keys or values: the engine may leave them unread) and splits no
-    layer by head. Without them it computes the same votes from the queries."""
+    policy then splits no layer by head and reads nothing but the votes and
+    ``key_positions`` (no queries, keys or values: the engine may leave them
+    unread), unless it also scores from the tokens (:attr:`scores_rows_apart`,
+    :attr:`scores_stacked_requests`: MomentKV's residual). Without them it
+    computes the same votes from the queries."""
     voting_queries: ClassVar[int | None] = None
     """With :attr:`reads_window_votes`: the votes are those of the window's
     last ``voting_queries`` queries (TOVA's one), or of all of them (None)."""
@@ -192,9 +194,11 @@ class EvictionPolicy(ABC):
     scores_stacked_requests: ClassVar[bool] = False
     """Scores the KV heads of ``R`` requests stacked as one layer of ``R *
     H`` rows, each request's rows with statistics of its own window
-    (``windows``: :class:`StackedWindows`, in place of ``queries``), and
-    the rows' padding changes no other token's score: the engine may score
-    every request of a layer in one call."""
+    (``windows``: :class:`StackedWindows`, in place of ``queries``) and
+    its own ``evicted`` rows, and the rows' padding changes no other token's
+    score; :meth:`refine_scores` of the stacked rows refines each request's
+    as if alone. The engine may then score and refine every request of a
+    layer in one call."""
     global_scores: ClassVar[bool] = False
     """Scores sit on one scale across layers, so one ranking over every
     (layer, KV head) can split the budget (``head_budget: global``)."""

@@ -38,11 +38,18 @@ class MomentKVPolicy(EvictionPolicy):
     is the same with ``C`` reduced to its diagonal or dropped. The
     one-token-at-a-time greedy of Alg. 1 is run in ``rounds`` batches (see
     :meth:`refine_scores`).
+
+    Where the engine passes SnapKV's votes (``window_votes``) α is pooled
+    from them; every request of a layer can then be scored and refined as
+    one layer of ``R * H`` rows (``windows`` given), each request with its
+    own moments and its own number of rounds.
     """
 
     name = "momentkv"
     needs_queries = True
     needs_moments = True
+    reads_window_votes = True  # α: SnapKV's pooled votes
+    scores_stacked_requests = True  # the residual: each row's tokens and moments; rounds per request
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"  # the paper builds on AdaKV (§5.1)
     kernel_size: int = 15
@@ -92,23 +99,32 @@ class MomentKVPolicy(EvictionPolicy):
         Returns scores whose top ``counts[h]`` are the tokens kept: survivors
         keep their last score (``≥ 0``), a token evicted in round ``r`` of
         ``R`` gets ``r - R`` (earlier rounds lower).
+
+        The rows of ``R`` requests stacked (``inputs.windows``) run each
+        request's own rounds, as if refined alone; the device is read once
+        (each head's evictions and rounds), whatever the requests and rounds.
         """
         assert inputs.evicted is not None
         live = (scores > float("-inf")).sum(-1)
         to_evict = (live - counts).clamp(min=0)  # [H]
         moments = inputs.evicted
-        rounds = self.rounds_for(to_evict, moments.count)
+        requests = inputs.windows.queries.shape[0] if inputs.windows is not None else 1
+        per_head = self.rounds_per_request(to_evict, moments.count, requests)  # [H], each its request's
+        host_evict, host_rounds = torch.stack([to_evict, per_head]).tolist()  # the one read
+        rounds = max(host_rounds, default=1)
         if rounds == 1:
             return scores
         attention = self._window_attention(inputs)
         candidate = torch.isfinite(scores)  # not protected (+inf), not padding (-inf)
         refined = scores.clone()
         remaining = candidate.clone()  # candidates not evicted yet
-        done = torch.zeros_like(to_evict)
+        done, host_done = torch.zeros_like(to_evict), [0] * len(host_evict)
         for r in range(rounds):
-            target = (to_evict * (r + 1) + rounds - 1) // rounds  # ceil, = to_evict at the end
+            # ceil, = to_evict at a request's last round and after
+            target = torch.minimum((to_evict * (r + 1) + per_head - 1) // per_head, to_evict)
+            host_target = [min((n * (r + 1) + k - 1) // k, n) for n, k in zip(host_evict, host_rounds)]
             batch_size = target - done
-            largest = int(batch_size.max())
+            largest = max((t - d for t, d in zip(host_target, host_done)), default=0)  # the host's: no read
             if largest <= 0:
                 continue
             if r > 0:
@@ -121,25 +137,37 @@ class MomentKVPolicy(EvictionPolicy):
             in_batch = torch.arange(largest, device=scores.device) < batch_size[:, None]
             in_batch &= remaining.gather(-1, lowest)
             batch = torch.zeros_like(remaining).scatter_(-1, lowest, in_batch)
-            refined = torch.where(batch, float(r - rounds), refined)
+            refined = torch.where(batch, (r - per_head)[:, None].to(refined.dtype), refined)
             remaining &= ~batch
-            done = target
+            done, host_done = target, host_target
             if r + 1 < rounds:  # the last round's statistics are not read
                 index = lowest.unsqueeze(-1).expand(-1, -1, inputs.keys.shape[-1])
                 moments = moments.folded(
                     inputs.keys.gather(1, index), inputs.values.gather(1, index), in_batch
                 )
-        return refined
+        # A request of one round keeps by its scores, as refined alone.
+        return torch.where((per_head == 1)[:, None], scores, refined)
 
     def rounds_for(self, to_evict: torch.Tensor, evicted_before: torch.Tensor) -> int:
         """Rounds for an eviction that drops ``to_evict[h]`` tokens of heads
         that have folded ``evicted_before[h]``: ``ceil(rounds * share)`` for
         the largest share ``to_evict / (evicted_before + to_evict)`` of a
         head's statistics the eviction adds, at least 1."""
+        needed = self.rounds_per_request(to_evict, evicted_before, 1)
+        return int(needed.max()) if needed.numel() else 1
+
+    def rounds_per_request(
+        self, to_evict: torch.Tensor, evicted_before: torch.Tensor, requests: int
+    ) -> torch.Tensor:
+        """:meth:`rounds_for` of each of ``requests`` whose heads are the
+        consecutive equal parts of ``to_evict`` and ``evicted_before``, per
+        head (``[H]``, each head its request's), on the device."""
         to_evict = to_evict.long()
         after = (evicted_before.round().long() + to_evict).clamp(min=1)
-        needed = (self.rounds * to_evict + after - 1) // after  # ceil, in integers
-        return max(1, int(needed.max())) if needed.numel() else 1
+        needed = ((self.rounds * to_evict + after - 1) // after).clamp(min=1)  # ceil, in integers
+        if not needed.numel():
+            return needed
+        return needed.view(requests, -1).amax(-1, keepdim=True).expand(requests, needed.numel() // requests).flatten()
 
 
 def moment_residuals(

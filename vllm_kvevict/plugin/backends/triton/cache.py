@@ -166,11 +166,12 @@ class TritonPagedCache(CacheOps):
 
     def compact_many(
         self, addresses: torch.Tensor, live_lens: torch.Tensor, kept: torch.Tensor, kept_lens: torch.Tensor,
-        page_table: torch.Tensor,
+        page_table: torch.Tensor, moments: EvictedMoments | None = None,
     ) -> None:
-        """Several requests' compactions in one launch sequence of the Triton
-        kernel (see :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
-        self._compact(addresses, live_lens, kept, kept_lens, page_table, None)
+        """Several requests' compactions, their moments folded, in one launch
+        sequence of the Triton kernel (see
+        :class:`~vllm_kvevict.eviction.cache_ops.CompactsInPlace`)."""
+        self._compact(addresses, live_lens, kept, kept_lens, page_table, moments)
 
     def _compact(
         self, addresses: torch.Tensor, live_lens: torch.Tensor, kept: torch.Tensor, kept_lens: torch.Tensor,
