@@ -184,7 +184,7 @@ def make_kv_cache(
 
 def engine_step(
     setup: Setup, raw: torch.Tensor, allocated: int, num_blocks: int, layout: str, requests: Requests,
-    window_q: torch.Tensor, layers: int, evict: int, storage: str,
+    window_q: torch.Tensor, layers: int, evict: int, storage: str, policy: str = "snapkv",
 ) -> Callable[[], None]:
     """One eviction step of every layer as serving runs it on the Triton path:
     the eviction engine's entry point for every request of the layer, on
@@ -196,21 +196,24 @@ def engine_step(
     ``L-1`` new). Each request's point at ``L``, ``L - evict`` tokens per head
     (on average with AdaKV) kept in the blocks from ``evict // page_size``.
     Each run first restores the side buffers (page tables, lengths,
-    positions: a few MB) so every run does the same work."""
+    positions: a few MB) so every run does the same work. ``policy``
+    momentkv: MomentKV on head pages, each request's moments as after a
+    decode-time history (``L`` tokens evicted before, so one round, as at
+    a decode-time point), restored each run too."""
     from vllm_kvevict.eviction.allocation import AdaKVAllocation, UniformAllocation
     from vllm_kvevict.eviction.cache_ops import EvictionObserver
     from vllm_kvevict.eviction.head_pages import compact_head_pages_many
     from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows
     from vllm_kvevict.eviction.select import KeepRule
     from vllm_kvevict.eviction.slots import evict_slots_many
+    from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
-    from vllm_kvevict.policies import ScoringInputs
-    from vllm_kvevict.policies.snapkv import SnapKVPolicy
+    from vllm_kvevict.policies import ScoringInputs, make_policy
 
     batch, length, heads, ps, dev = requests.batch, requests.length, setup.kv_heads, setup.page_size, setup.device
     window = window_q.shape[1]
     allocation = AdaKVAllocation(0.2) if storage == "head_pages" else UniformAllocation()
-    rule = KeepRule(SnapKVPolicy(), allocation, 4, window)
+    rule = KeepRule(make_policy(policy), allocation, 4, window)
     plain = requests.plain
     pages0 = plain.head_page_table.contiguous()  # [B, H, L / ps]
     lens0 = torch.full((batch, heads), length - 1, dtype=torch.int32, device=dev)
@@ -219,9 +222,23 @@ def engine_step(
         TritonPagedCache(layer_kv_cache(raw, allocated, num_blocks, setup, layout, layer % allocated))
         for layer in range(layers)
     ]
-    rows = [
-        [StreamRows(positions0[b].clone(), pages0[b].clone(), lens0[b].clone()) for b in range(batch)]
+    moments0 = None
+    if rule.policy.needs_moments:
+        moments0 = EvictedMoments.zeros(batch, heads, setup.head_dim, dev)
+        moments0.count.fill_(length)
+        moments0.key_mean.normal_(0.0, 0.1), moments0.value_mean.normal_(0.0, 0.1)
+    # Each layer's moments, one row per request, as the worker holds them.
+    layer_moments = [
+        EvictedMoments.stack([moments0[b] for b in range(batch)]) if moments0 is not None else None
         for _ in range(layers)
+    ]
+    rows = [
+        [
+            StreamRows(positions0[b].clone(), pages0[b].clone(), lens0[b].clone(),
+                       moments[b] if moments is not None else None)
+            for b in range(batch)
+        ]
+        for moments in layer_moments
     ]
     query_positions = torch.arange(length - window, length, device=dev)
     frontier = evict // ps * ps
@@ -242,6 +259,8 @@ def engine_step(
             torch._foreach_copy_([r.pages for r in layer_rows], list(pages0.unbind(0)))
             torch._foreach_copy_([r.lens for r in layer_rows], list(lens0.unbind(0)))
             torch._foreach_copy_([r.positions for r in layer_rows], list(positions0.unbind(0)))
+            if moments0 is not None:
+                moments0.unstack_into([r.moments for r in layer_rows])
         for layer, (cache, layer_rows) in enumerate(zip(caches, rows)):
             evictions = [
                 LayerEviction(
@@ -523,6 +542,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
                                        evict, "head_pages"))
     t_slots = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
                                       evict, "slots"))
+    t_moments = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
+                                        evict, "head_pages", "momentkv"))
     t_score = setup.timer(scores)
     t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
@@ -544,6 +565,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         "engine_eviction_step_us": t_engine * 1e6, "engine_eviction_over_decode": t_engine / t_decode,
         "engine_eviction_over_decode_per_step": t_engine / t_decode / args.decode_interval,
         "engine_slots_eviction_step_us": t_slots * 1e6, "engine_slots_eviction_over_decode": t_slots / t_decode,
+        "engine_momentkv_eviction_step_us": t_moments * 1e6,
+        "engine_momentkv_eviction_over_decode": t_moments / t_decode,
     }
     print(
         "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
@@ -562,6 +585,7 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         ("the served path, head pages (compact_head_pages_many, AdaKV + SnapKV, the layer's requests as one batch)",
          t_engine),
         ("the served path, slots (evict_slots_many, SnapKV, the layer's requests as one batch)", t_slots),
+        ("the served path, head pages, MomentKV (AdaKV, one round, the moments folded; one batch)", t_moments),
     ):
         print(
             f"| {label} | {t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_e * 1e6:,.0f} | "
