@@ -245,6 +245,26 @@ def test_policy_registry():
     assert make_policy("streamingllm") == StreamingLLMPolicy()
 
 
+@pytest.mark.parametrize("name", ["keydiff", "knorm", "kvzip", "learned", "random", "streamingllm"])
+def test_token_wise_scores_stay_on_the_inputs_device(name: str) -> None:
+    """A policy that scores without reading values back builds every tensor
+    on its inputs' device, so it scores on a GPU: checked on the meta device,
+    which holds no data and refuses a CPU tensor beside its own."""
+    from vllm_kvevict.moments import EvictedMoments
+
+    heads, group, num_live, window, dim = 2, 2, 48, 4, 16
+    meta = dict(device="meta")
+    keys = torch.randn(heads, num_live, dim, **meta)
+    inputs = ScoringInputs(
+        keys, torch.randn(heads, num_live, dim, **meta), torch.arange(num_live, **meta).expand(heads, -1),
+        torch.randn(heads * group, window, dim, **meta), torch.arange(num_live - window, num_live, **meta),
+        dim**-0.5, EvictedMoments.zeros(None, heads, dim, "meta"), log_beta=torch.zeros(heads, num_live, **meta),
+        step=num_live, reconstruction=torch.rand(heads, num_live, **meta),
+    )
+    scores = make_policy(name).score(inputs)
+    assert scores.device.type == "meta" and scores.shape == (heads, num_live)
+
+
 def test_make_policy_errors():
     with pytest.raises(ValueError, match="criticalkv, defensivekv, expected_attention, h2o, keydiff"):
         make_policy("scissorhands")

@@ -22,7 +22,7 @@ class RandomPolicy(EvictionPolicy):
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         positions = inputs.key_positions.double()
-        heads = torch.arange(positions.shape[0], dtype=torch.float64)[:, None]
+        heads = torch.arange(positions.shape[0], dtype=torch.float64, device=positions.device)[:, None]
         # The classic fract(sin(x) * 43758.5453) hash, in float64.
         x = torch.sin(positions * 12.9898 + heads * 78.233 + self.seed * 37.719) * 43758.5453
         return x - torch.floor(x)
