@@ -68,6 +68,9 @@ CASES = {
     # over every layer and head after the last layer.
     "defensivekv": {"policy": "defensivekv", "budget": 256},
     "layer_defensivekv": {"policy": "layer_defensivekv", "budget": 256},
+    # Query-agnostic: every prefill chunk evicted before the next is read.
+    "defensivekv-per-chunk": {"policy": "defensivekv", "budget": 256, "prefill_mode": "per_chunk"},
+    "layer_defensivekv-per-chunk": {"policy": "layer_defensivekv", "budget": 256, "prefill_mode": "per_chunk"},
     "random": {"policy": "random", "budget": 512},
     # Gates shipped for the default model; one ranking over every layer and
     # head (eager here, compiled in test_learned_e2e.py).
