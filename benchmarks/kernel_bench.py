@@ -227,9 +227,10 @@ def engine_step(
         moments0 = EvictedMoments.zeros(batch, heads, setup.head_dim, dev)
         moments0.count.fill_(length)
         moments0.key_mean.normal_(0.0, 0.1), moments0.value_mean.normal_(0.0, 0.1)
-    # Each layer's moments, one row per request, as the worker holds them.
+    # Each layer's moments, one row per request, as the worker holds them
+    # (filled from moments0 before every run).
     layer_moments = [
-        EvictedMoments.stack([moments0[b] for b in range(batch)]) if moments0 is not None else None
+        EvictedMoments.zeros(batch, heads, setup.head_dim, dev) if moments0 is not None else None
         for _ in range(layers)
     ]
     rows = [

@@ -463,7 +463,7 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
         (votes or tokens)
         and (not votes or implements(cache, ScoresWindows))
         and (not tokens or implements(cache, ReadsTokens))
-        and (type(policy).refine_scores is EvictionPolicy.refine_scores or policy.scores_stacked_requests)
+        and (not policy.refines or policy.scores_stacked_requests)
         and rule.allocation.splits_requests_together
         and implements(cache, CompactsInPlace)
         and len({e.rows.moments is None for e in evictions}) == 1
@@ -626,7 +626,7 @@ class ScoredTokens:
         policy's refinement of every request at once (its
         :meth:`~EvictionPolicy.refine_scores`, ``scores_stacked_requests``),
         or the scores; ``None`` when the policy raised."""
-        if type(policy).refine_scores is EvictionPolicy.refine_scores:
+        if not policy.refines:
             return self.scores
         try:
             return policy.refine_scores(self.inputs, self.scores, counts.flatten())

@@ -146,7 +146,7 @@ def choose_kept_many(
     (:attr:`Selection.width`, at least ``max(counts)``), ``-1`` padded.
     """
     policy = rule.policy
-    refines = type(policy).refine_scores is not EvictionPolicy.refine_scores
+    refines = policy.refines
     failures: dict[int, BaseException] = {}
     ranked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     # Raised on the host by the allocation or the refinement: what a selection

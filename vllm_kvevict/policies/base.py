@@ -260,6 +260,12 @@ class EvictionPolicy(ABC):
             scores = scores.masked_fill(~live, float("-inf"))
         return scores
 
+    @property
+    def refines(self) -> bool:
+        """Whether the policy overrides :meth:`refine_scores` (the identity
+        here), so a selection must run it once the counts are fixed."""
+        return type(self).refine_scores is not EvictionPolicy.refine_scores
+
     def refine_scores(
         self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
