@@ -212,6 +212,7 @@ class _SpyPolicy:
         self.needs_rotary: bool = inner.needs_rotary
         self.needs_output_projection: bool = inner.needs_output_projection
         self.scores_ragged_heads: bool = inner.scores_ragged_heads
+        self.refines = True  # refine_scores below records the selection
         self.calls: list[tuple[Any, ...]] = []
 
     @property
