@@ -26,10 +26,25 @@ def projected_value_norms(
     ``values [H, S, D]``; ``output_projection [Hq, D, d_model]``: query head
     ``hq``'s rows of the layer's output projection (``o_proj.weight.T``).
     ``tokens [H, S]`` bool: only these are computed, the rest are 0 (default:
-    all). One KV head at a time, and on a CPU 128 tokens at a time: the
-    ``[128, G * d_model]`` product stays in the CPU's cache (the whole
-    ``[G, S, d_model]`` would not; 3x faster on the default model).
+    all). On a GPU, Triton's one-launch kernel
+    (:func:`vllm_kvevict.triton_kernels.value_norms.projected_value_norms`,
+    which never stores the product). Otherwise one KV head at a time, on a
+    CPU 128 tokens at a time: the ``[128, G * d_model]`` product stays in the
+    CPU's cache (the whole ``[G, S, d_model]`` would not; 3x faster on the
+    default model), elsewhere at most ``_PRODUCT_BYTES`` of it at a time.
     """
+    if _fused_value_norms(values):
+        from vllm_kvevict.triton_kernels.value_norms import projected_value_norms as fused
+
+        norms = fused(values, output_projection)
+        return norms if tokens is None else norms.masked_fill_(~tokens, 0.0)
+    return projected_value_norms_torch(values, output_projection, tokens)
+
+
+def projected_value_norms_torch(
+    values: torch.Tensor, output_projection: torch.Tensor, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`projected_value_norms` in torch, on any device."""
     num_kv_heads, num_tokens, head_dim = values.shape
     group = output_projection.shape[0] // num_kv_heads
     d_model = output_projection.shape[-1]
@@ -44,7 +59,10 @@ def projected_value_norms(
         head_values = (values[h] if index is None else values[h, index]).float()
         count = head_values.shape[0]
         head_norms = norms[h] if index is None else torch.empty(count, dtype=torch.float32, device=values.device)
-        step = _TOKENS_PER_PRODUCT if values.device.type == "cpu" else max(count, 1)
+        if values.device.type == "cpu":
+            step = _TOKENS_PER_PRODUCT
+        else:
+            step = max(1, _PRODUCT_BYTES // (4 * group * d_model))
         for start in range(0, count, step):
             projected = head_values[start : start + step] @ slices
             head_norms[start : start + step] = (
@@ -56,6 +74,17 @@ def projected_value_norms(
 
 
 _TOKENS_PER_PRODUCT = 128
+_PRODUCT_BYTES = 1 << 28  # off the CPU, without Triton: a 256 MiB product at most
+
+
+def _fused_value_norms(values: torch.Tensor) -> bool:
+    """Whether :func:`projected_value_norms` runs Triton's kernel: on a GPU
+    where Triton imports."""
+    if not values.is_cuda:
+        return False
+    from vllm_kvevict.triton_kernels import value_norms
+
+    return value_norms.triton is not None
 
 
 @dataclass

@@ -51,7 +51,9 @@ def output_projection_slices(
     """``[Hq, D, d_model]``: each local query head's rows of ``W_O = o_proj.weight.T``.
 
     The output projection is row-parallel, so under tensor parallelism a
-    rank's shard holds exactly its own heads' rows.
+    rank's shard holds exactly its own heads' rows. A view of the weight in
+    its own dtype, not a copy: the value norms multiply 16-bit operands
+    exactly (``vllm_kvevict.policies.criticalkv.projected_value_norms``).
     """
     module = neighbours.output_projection if neighbours else None
     columns = num_q_heads * head_dim
@@ -74,7 +76,7 @@ def output_projection_slices(
             f"it (found {type(module).__name__ if module is not None else 'none'}); choose "
             "another policy for this model"
         )
-    return projection.float().reshape(num_q_heads, head_dim, projection.shape[1])
+    return projection.reshape(num_q_heads, head_dim, projection.shape[1])
 
 
 def rotary_frequencies(
