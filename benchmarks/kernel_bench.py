@@ -32,13 +32,19 @@ times, the eviction step's ratio to the decode step with each way of scoring,
 and that ratio spread over the ``--decode-interval`` decode steps between two
 evictions.
 
+The value factor of CriticalKV and DefensiveKV (``‖v W_O‖₁`` of every
+retained token, through the rows of an output projection of ``d_model =``
+query heads x head_dim), over one layer at the same shape: the Triton kernel
+``projected_value_norms`` (one launch, the product never stored) and the torch
+fallback, in TFLOP/s and, times the layers, against the decode step.
+
     python benchmarks/kernel_bench.py                  # needs a CUDA GPU
     python benchmarks/kernel_bench.py --json out.json  # the figures as JSON too
     python benchmarks/kernel_bench.py --smoke          # tiny shapes; on CPU under TRITON_INTERPRET=1
 
 Without CUDA and without ``--smoke`` it says a GPU is needed and exits 1.
-``--smoke`` first checks the three kernels against their torch references on
-vLLM's views in both layouts; its times (the interpreter's on CPU) mean
+``--smoke`` first checks the four kernels against their torch references (the
+three over pages on vLLM's views in both layouts); its times (the interpreter's on CPU) mean
 nothing.
 
 Request ``b``'s pages are its own blocks in order (head ``h`` in head-page
@@ -596,6 +602,47 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
     return result
 
 
+def target_value_factor(setup: Setup, args: argparse.Namespace, decode_us: float | None) -> dict | None:
+    """CriticalKV's and DefensiveKV's value factor over one layer's retained tokens."""
+    from vllm_kvevict.policies.criticalkv import projected_value_norms_torch
+    from vllm_kvevict.triton_kernels.value_norms import projected_value_norms
+
+    batch, length, layers, heads = args.batch, args.length, args.layers, setup.kv_heads
+    d_model = setup.q_heads * setup.head_dim
+    tokens = batch * length
+    flop = 2 * tokens * setup.q_heads * setup.head_dim * d_model
+    print("\n## The value factor of CriticalKV and DefensiveKV, one layer\n")
+    print(
+        f"‖v W_O‖₁ per query head, averaged over the group, for every retained token of one layer: "
+        f"{batch} x {length:,} tokens x {heads} KV heads, d_model {d_model:,} (query heads x head_dim), "
+        f"{args.dtype} values and W_O (a view of o_proj.weight.T), {flop / 1e12:,.2f} TFLOP. Kernel: Triton, one launch, "
+        "no [tokens, G x d_model] product stored (what a GPU scores with); torch: one KV head at a time in fp32, "
+        "at most 256 MiB of product at a time (the fallback without Triton). All layers: the one-layer time x "
+        f"{layers}.\n"
+    )
+    values_bytes = tokens * heads * setup.head_dim * setup.element_size
+    if not fits(setup, 3 * values_bytes + (1 << 29), args.memory_fraction):
+        print(f"skipped: one layer's values ({values_bytes / 1e9:.1f} GB) and the torch path's scratch do not fit")
+        return None
+    values = torch.randn(heads, tokens, setup.head_dim, device=setup.device, dtype=setup.dtype)
+    weight = torch.randn(d_model, d_model, device=setup.device, dtype=setup.dtype) / d_model**0.5
+    projection = weight.t().reshape(setup.q_heads, setup.head_dim, d_model)
+    t_kernel = setup.timer(lambda: projected_value_norms(values, projection))
+    t_torch = setup.timer(lambda: projected_value_norms_torch(values, projection))
+    result = {
+        "tokens_per_head": tokens, "d_model": d_model, "tflop": flop / 1e12,
+        "kernel_us": t_kernel * 1e6, "kernel_tflops": flop / t_kernel / 1e12,
+        "torch_us": t_torch * 1e6, "torch_tflops": flop / t_torch / 1e12,
+        "kernel_all_layers_over_decode": layers * t_kernel * 1e6 / decode_us if decode_us else None,
+    }
+    print("| path | one layer (µs) | TFLOP/s | all layers (ms) | all layers / decode step |")
+    print("|---|---|---|---|---|")
+    for label, t in (("Triton kernel", t_kernel), ("torch", t_torch)):
+        ratio = f"{layers * t * 1e6 / decode_us:,.1f}x" if decode_us else "n/a"
+        print(f"| {label} | {t * 1e6:,.0f} | {flop / t / 1e12:,.1f} | {layers * t * 1e3:,.1f} | {ratio} |", flush=True)
+    return result
+
+
 # --------------------------------------------------------------------------- smoke
 
 
@@ -636,7 +683,17 @@ def smoke_check(setup: Setup) -> None:
         torch.testing.assert_close(votes[0], votes[1], atol=1e-3, rtol=1e-2)
         for got, want in zip(results[0][1:], results[1][1:]):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    print("smoke check: the three kernels match their torch references on vLLM's views (LBHNC, LBNHC)\n")
+    from vllm_kvevict.triton_kernels.value_norms import projected_value_norms, projected_value_norms_reference
+
+    values = torch.randn(heads, 2 * length, setup.head_dim, device=setup.device, dtype=setup.dtype)
+    weight = torch.randn(48, setup.q_heads * setup.head_dim, device=setup.device, dtype=setup.dtype)
+    projection = weight.t().reshape(setup.q_heads, setup.head_dim, 48)
+    torch.testing.assert_close(
+        projected_value_norms(values, projection), projected_value_norms_reference(values, projection),
+        atol=1e-3, rtol=1e-4,
+    )
+    print("smoke check: the four kernels match their torch references (attention, compaction and window votes "
+          "on vLLM's views, LBHNC and LBNHC)\n")
 
 
 # --------------------------------------------------------------------------- main
@@ -673,10 +730,12 @@ def main(argv: list[str] | None = None) -> int:
         smoke_check(setup)
     decode = target_decode(setup, args, copy_bw)
     eviction = target_eviction(setup, args, copy_bw)
+    value_factor = target_value_factor(setup, args, eviction["decode_step_us"] if eviction else None)
     if args.json:
         figures = {
             "command": shlex.join(command), "device": name, "torch": torch.__version__, "triton": triton.__version__,
             "smoke": args.smoke, "copy_GBps": copy_bw / 1e9, "target1_decode": decode, "target2_eviction": eviction,
+            "value_factor": value_factor,
         }
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(figures, handle, indent=1)

@@ -13,8 +13,9 @@ Triton (no package registry needed). Two stages:
 Stage 1 (no vLLM):
   env        nvidia-smi, torch / triton / CUDA versions, glibc, pip freeze
              (env.txt; its freeze feeds gpu_payload.py build --image-packages)
-  tests      tests/test_triton_kernels.py with TRITON_INTERPRET unset: the
-             compiled kernels on the GPU (test_kernel_mode fails otherwise)
+  tests      tests/test_triton_kernels.py, test_window_scores.py and
+             test_value_norms.py with TRITON_INTERPRET unset: the compiled
+             kernels on the GPU (test_kernel_mode fails otherwise)
   bench      benchmarks/kernel_bench.py: target 1, decode attention at B=16,
              L=16k, bf16 as a percentage of the measured copy bandwidth (both
              KV layouts); target 2, one eviction step against one decode step
@@ -208,7 +209,8 @@ PYEOF
 stage1_tests() {
     local out="$RESULTS/kernel-tests.txt" start=$SECONDS rc line
     env -u TRITON_INTERPRET PYTHONSAFEPATH=1 PYTHONPATH="$SITE" \
-        "$PY" -m pytest tests/test_triton_kernels.py -q -rs -p no:cacheprovider --noconftest > "$out" 2>&1
+        "$PY" -m pytest tests/test_triton_kernels.py tests/test_window_scores.py tests/test_value_norms.py \
+        -q -rs -p no:cacheprovider --noconftest > "$out" 2>&1
     rc=$?
     line="$(grep -E '[0-9]+ (passed|failed|error)' "$out" | tail -1)"
     if [ $rc -eq 0 ]; then
@@ -245,6 +247,13 @@ if t:
                       ("head pages, MomentKV", "engine_momentkv")):
         parts.append(f"served path, {name}: {t[key + '_eviction_step_us'] / 1e3:,.1f} ms = "
                      f"{t[key + '_eviction_over_decode']:.2f}x a decode step")
+v = f.get("value_factor")
+if v:
+    layers = t["layers"] if t else 1
+    over = v["kernel_all_layers_over_decode"]
+    parts.append(f"value factor (CriticalKV, DefensiveKV), one layer: kernel {v['kernel_us'] / 1e3:,.1f} ms "
+                 f"({v['kernel_tflops']:,.0f} TFLOP/s), torch {v['torch_us'] / 1e3:,.1f} ms"
+                 + (f"; x{layers} layers = {over:.1f}x a decode step" if over else ""))
 print("; ".join(parts))
 PYEOF
 )"
@@ -268,7 +277,8 @@ stage1_sanitizer() {
     fi
     env -u TRITON_INTERPRET PYTHONSAFEPATH=1 PYTHONPATH="$SITE" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
         timeout 3000 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
-        --print-limit 50 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider --noconftest \
+        --print-limit 50 "$PY" -m pytest tests/test_triton_kernels.py tests/test_window_scores.py \
+        tests/test_value_norms.py -q -p no:cacheprovider --noconftest \
         "${select[@]}" > "$out" 2>&1
     rc=$?
     line="$(grep -E '[0-9]+ (passed|failed)' "$out" | tail -1); $(grep -E 'ERROR SUMMARY' "$out" | tail -1)"
