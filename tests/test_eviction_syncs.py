@@ -9,13 +9,16 @@ on the cache the CUDA backend serves with
 (:class:`~vllm_kvevict.plugin.backends.triton.cache.TritonPagedCache`: reads
 and writes by flat address, compaction in place, SnapKV's window votes for
 every request at once), whose Triton compaction and window-score kernels run
-here as their torch references, counted as one launch each. With ``-s`` each
+here as their torch references, counted as one launch each (and CriticalKV's
+value factor, the GPU's kernel, likewise). With ``-s`` each
 case prints its counts for 1, 4 and 16 requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -36,9 +39,12 @@ from vllm_kvevict.eviction.slots import evict_slots_many
 from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs, make_policy
+from vllm_kvevict.policies import criticalkv
 from vllm_kvevict.policies.h2o import H2OPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.triton_kernels.compact_head_pages import compact_head_pages_reference
+from vllm_kvevict.triton_kernels import value_norms
+from vllm_kvevict.triton_kernels.value_norms import projected_value_norms_reference
 from vllm_kvevict.triton_kernels.window_scores import window_votes_reference
 
 BLOCK, DIM, GROUP, WINDOW, BUDGET, SINKS, RECENT = 16, 16, 2, 8, 64, 4, 8
@@ -112,6 +118,8 @@ class Requests:
         self.queries = torch.randn(num_requests, num_heads * GROUP, DIM, generator=gen)
         self.log_beta = -0.1 * torch.rand(kv.shape[0] * num_heads, BLOCK, generator=gen)
         self.offsets = [layer * self.blocks_per_layer for layer in range(layers)]
+        # [Hq, D, d_model]: a view of an o_proj weight's transpose, as the server passes it
+        self.projection = torch.randn(24, num_heads * GROUP * DIM, generator=gen).t().reshape(-1, DIM, 24)
 
     def _compaction(self, *args: object) -> None:
         """The Triton compaction's stand-in: its torch twin, one launch."""
@@ -146,7 +154,10 @@ class Requests:
         queries, query_positions = window if window is not None else self.observation(r, ev)
 
         def inputs(keys, values, positions, evicted):
-            return ScoringInputs(keys, values, positions, queries, query_positions, DIM**-0.5, evicted, rotary=ROPE)
+            return ScoringInputs(
+                keys, values, positions, queries, query_positions, DIM**-0.5, evicted, rotary=ROPE,
+                output_projection=self.projection,
+            )
 
         return inputs
 
@@ -185,11 +196,26 @@ def head_pages_step(num_requests: int, num_heads: int, allocation, name: str = "
     observer = EvictionObserver()
     compact_head_pages_many(requests.cache, rule, requests.layer_evictions(FIRST, 0), 0, observer)
     windows = requests.observation_rows(SECOND, FIRST)  # once per step, for every layer
-    with count_host_reads() as reads:
+    with count_host_reads() as reads, value_norms_kernel(requests):
         requests.reads = reads
         compact_head_pages_many(requests.cache, rule, requests.layer_evictions(SECOND, FIRST, rows=windows), 0,
                                 observer)
     return reads
+
+
+@contextlib.contextmanager
+def value_norms_kernel(requests: Requests):
+    """CriticalKV's value factor as a GPU computes it: the Triton kernel's
+    stand-in, its torch reference, counted as one launch."""
+
+    def kernel(values: torch.Tensor, output_projection: torch.Tensor) -> torch.Tensor:
+        assert requests.reads is not None
+        with requests.reads.one_launch("projected_value_norms (Triton)"):
+            return projected_value_norms_reference(values, output_projection)
+
+    with mock.patch.object(criticalkv, "_fused_value_norms", lambda values: True), \
+            mock.patch.object(value_norms, "projected_value_norms", kernel):
+        yield
 
 
 def slots_step(num_requests: int, num_heads: int) -> HostReads:
@@ -232,6 +258,9 @@ CASES = {
     ),
     "head_pages, MomentKV (AdaKV, moments)": (
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "momentkv"), 3
+    ),
+    "head_pages, AdaKV + CriticalKV (Expected Attention)": (
+        lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "criticalkv"), 3
     ),
     "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
@@ -333,7 +362,8 @@ def request_by_request(policy):
 
 @pytest.mark.parametrize(
     "policy",
-    ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention", "momentkv", "snapkv+moments"],
+    ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention", "momentkv", "snapkv+moments",
+     "criticalkv", "criticalkv+snapkv"],
 )
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
@@ -345,15 +375,18 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
     from each request's own tokens (Knorm, KeyDiff, StreamingLLM) and window
     (Expected Attention, the statistics of each request's queries; MomentKV,
     each request's moments and rounds, the evicted tokens folded into its
-    moments; SnapKV with moment_correction, its evicted tokens folded)."""
+    moments; SnapKV with moment_correction, its evicted tokens folded;
+    CriticalKV on Expected Attention or on SnapKV's votes, each request's
+    two stages and value factor)."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     budgets = [48, 64, 96, 64, 32, 80]
     firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
     seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
     seed = int(torch.randint(0, 1000, (), generator=gen))
-    name, _, corrected = policy.partition("+")
-    voting = make_policy(name, {"kernel_size": 7} if name == "snapkv" else {})
-    moments = voting.needs_moments or corrected == "moments"
+    name, _, variant = policy.partition("+")
+    options = {"kernel_size": 7} if name == "snapkv" else {"base": variant} if name == "criticalkv" and variant else {}
+    voting = make_policy(name, options)
+    moments = voting.needs_moments or variant == "moments"
     together, alone = (Requests(len(budgets), 3, seed=seed, moments=moments) for _ in range(2))
     attending = request_by_request(voting)
     voted = KeepRule(voting, allocation, SINKS, RECENT)

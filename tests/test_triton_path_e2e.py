@@ -12,7 +12,8 @@ the same eviction: SnapKV (slots), AdaKV+SnapKV (head pages), H2O (slots),
 TOVA, KeyDiff and Expected Attention on AdaKV (head pages: TOVA from the
 window-score kernel's votes of the last query, KeyDiff and Expected Attention
 from the tokens read by address, each scored as one batch of the step's
-requests), MomentKV (the correction on) and the
+requests), MomentKV (the correction on), CriticalKV on Expected Attention
+(its two stages and value factor for the step's requests at once) and the
 learned policy (global eviction, with seeded random gates) on the tiny
 random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
@@ -55,6 +56,7 @@ CASES = {
     "keydiff-head-pages": {"policy": "keydiff", **EVICTION, "head_budget": "adaptive"},
     "expected-attention": {"policy": "expected_attention", **EVICTION},  # AdaKV head pages by default
     "momentkv": {"policy": "momentkv", **EVICTION},
+    "criticalkv": {"policy": "criticalkv", **EVICTION},  # AdaKV head pages, Expected Attention's base
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }
 KERNELS = ("native", "triton")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_mode import DEVICE, INTERPRET, run_in_fresh_process, skip_unless
+from triton_mode import DEVICE, run_in_fresh_process, skip_unless
 
 from vllm_kvevict.policies import criticalkv  # noqa: E402
 from vllm_kvevict.policies.base import PADDING_POSITION, ScoringInputs  # noqa: E402
@@ -147,7 +147,7 @@ def test_policies_score_alike_with_the_kernel(dtype: torch.dtype, monkeypatch: p
     torch.testing.assert_close(fused, plain, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.skipif(INTERPRET, reason="the GPU's choice; on CPU the torch path runs")
-def test_a_gpu_scores_with_the_kernel() -> None:
-    values = torch.randn(2, 8, 32, device=DEVICE)
-    assert criticalkv._fused_value_norms(values)
+def test_the_kernel_runs_on_a_gpu_only() -> None:
+    """A GPU scores with the kernel; CPU tensors take the torch path."""
+    assert criticalkv._fused_value_norms(torch.randn(2, 8, 32, device=DEVICE)) == (DEVICE.type == "cuda")
+    assert not criticalkv._fused_value_norms(torch.randn(2, 8, 32))

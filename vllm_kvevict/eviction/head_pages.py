@@ -452,7 +452,8 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
     TOVA), where the cache computes the votes, and from each head's row of
     tokens alone (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM) or
     with its request's window (``scores_stacked_requests``: Expected
-    Attention; MomentKV, with the votes, its rounds and its moments), where
+    Attention; MomentKV, with the votes, its rounds and its moments;
+    CriticalKV, its two stages and value factor), where
     the cache reads tokens by address; that refines nothing, or refines a
     request's rows apart from the others' (``scores_stacked_requests``);
     split by an allocation that splits requests together (uniform, AdaKV);

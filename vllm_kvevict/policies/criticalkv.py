@@ -21,12 +21,13 @@ BASES: dict[str, type[EvictionPolicy]] = {
 def projected_value_norms(
     values: torch.Tensor, output_projection: torch.Tensor, tokens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``mean over the group's query heads of ‖v_j W_O[hq]‖₁``, ``[H, S]`` fp32.
+    """``mean over the group's query heads of ‖v_j W_O[hq]‖₁``, ``[H, S]`` fp32
+    (``[R, H, S]`` for ``R`` requests' values).
 
-    ``values [H, S, D]``; ``output_projection [Hq, D, d_model]``: query head
-    ``hq``'s rows of the layer's output projection (``o_proj.weight.T``).
-    ``tokens [H, S]`` bool: only these are computed, the rest are 0 (default:
-    all). On a GPU, Triton's one-launch kernel
+    ``values [H, S, D]`` or ``[R, H, S, D]``; ``output_projection [Hq, D,
+    d_model]``: query head ``hq``'s rows of the layer's output projection
+    (``o_proj.weight.T``). ``tokens [H, S]`` (``[R, H, S]``) bool: only these
+    are computed, the rest are 0 (default: all). On a GPU, Triton's one-launch kernel
     (:func:`vllm_kvevict.triton_kernels.value_norms.projected_value_norms`,
     which never stores the product). Otherwise one KV head at a time, on a
     CPU 128 tokens at a time: the ``[128, G * d_model]`` product stays in the
@@ -38,6 +39,11 @@ def projected_value_norms(
 
         norms = fused(values, output_projection)
         return norms if tokens is None else norms.masked_fill_(~tokens, 0.0)
+    if values.dim() == 4:  # request by request, each as if alone
+        return torch.stack([
+            projected_value_norms_torch(values[r], output_projection, None if tokens is None else tokens[r])
+            for r in range(values.shape[0])
+        ]) if values.shape[0] else values.new_zeros(values.shape[:3], dtype=torch.float32)
     return projected_value_norms_torch(values, output_projection, tokens)
 
 
@@ -118,11 +124,18 @@ class CriticalKVPolicy(EvictionPolicy):
     sequence among its candidates, as SnapKV pools its votes (1, the default,
     is the paper's per-token product; pooling over 15 did not lift CriticalKV
     on SnapKV above its base).
+
+    Both stages work row by row, so the KV heads of ``R`` requests stacked as
+    one layer (``scores_stacked_requests``) are scored by the base as it
+    scores them (Expected Attention from each request's window, SnapKV from
+    the window-score kernel's votes: ``reads_window_votes`` is the base's)
+    and refined as if alone, the value factor of every request in one call.
     """
 
     name = "criticalkv"
     needs_queries = True
     needs_output_projection = True
+    scores_stacked_requests = True  # row by row; each request's base scores from its own window
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"  # the paper's main setting: AdaKV + CriticalKV
     base: Literal["snapkv", "expected_attention"] = "expected_attention"
@@ -162,6 +175,10 @@ class CriticalKVPolicy(EvictionPolicy):
     def needs_rotary(self) -> bool:  # type: ignore[override]
         return self.base_policy.needs_rotary
 
+    @property
+    def reads_window_votes(self) -> bool:  # type: ignore[override]
+        return self.base_policy.reads_window_votes
+
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return self.base_policy.score(inputs)
 
@@ -170,11 +187,16 @@ class CriticalKVPolicy(EvictionPolicy):
     ) -> torch.Tensor:
         assert inputs.output_projection is not None, "criticalkv needs the output projection"
         stage_one = (counts.float() * self.first_stage_ratio).floor().long()
-        first = top_k_mask(scores, stage_one)
+        # The policy's one read of the device (top_k_mask would make it).
+        first = top_k_mask(scores, stage_one, at_most=int(stage_one.max()) if stage_one.numel() else 0)
         # Only stage 2's candidates are ranked by the norm: not stage 1, not
         # protected (+inf), not padding (-inf).
         candidates = ~first & torch.isfinite(scores)
-        norms = projected_value_norms(inputs.values, inputs.output_projection, candidates)
+        # R requests' heads stacked as rows (windows): each row's KV head is its index mod H.
+        requests = inputs.windows.queries.shape[0] if inputs.windows is not None else 1
+        values = inputs.values.unflatten(0, (requests, -1))
+        norms = projected_value_norms(values, inputs.output_projection, candidates.view(values.shape[:3]))
+        norms = norms.flatten(0, 1)
         refined = torch.where(candidates, (scores.float() + self.epsilon) * norms, 0.0)
         if self.stage_two_kernel_size > 1:
             pad = self.stage_two_kernel_size // 2
