@@ -363,7 +363,7 @@ def request_by_request(policy):
 @pytest.mark.parametrize(
     "policy",
     ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention", "momentkv", "snapkv+moments",
-     "criticalkv", "criticalkv+snapkv"],
+     "criticalkv", "criticalkv+snapkv", "random"],
 )
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:
@@ -372,7 +372,8 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
     compact again, keep, write and record what the policy scoring each
     request alone keeps: attending head by head (SnapKV; H2O, whose sum over
     the window is the votes times W; TOVA, the last query's attention), or
-    from each request's own tokens (Knorm, KeyDiff, StreamingLLM) and window
+    from each request's own tokens (Knorm, KeyDiff, StreamingLLM; random, by
+    each row's KV head) and window
     (Expected Attention, the statistics of each request's queries; MomentKV,
     each request's moments and rounds, the evicted tokens folded into its
     moments; SnapKV with moment_correction, its evicted tokens folded;
@@ -428,12 +429,13 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
                     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff"])
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff", "random"])
 def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone(policy: str) -> None:
     """The slots storage's batch (the window-score kernel's votes, or the
     tokens read by address; one compaction launch) keeps, writes and records
     what the policy scoring each request alone keeps (SnapKV and TOVA
-    attending head by head, KeyDiff from the request's own keys): requests
+    attending head by head, KeyDiff from the request's own keys, random
+    by each row's KV head): requests
     at their own points and budgets, one whose frontier stays in its block
     (positions only), over two eviction points."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))

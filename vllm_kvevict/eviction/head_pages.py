@@ -450,7 +450,8 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
     cache that compacts in place (the device path's), for a policy that
     scores from the window votes (``reads_window_votes``: SnapKV, H2O,
     TOVA), where the cache computes the votes, and from each head's row of
-    tokens alone (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM) or
+    tokens alone (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM,
+    random) or
     with its request's window (``scores_stacked_requests``: Expected
     Attention; MomentKV, with the votes, its rounds and its moments;
     CriticalKV, its two stages and value factor), where
@@ -607,10 +608,12 @@ class ScoredTokens:
         stacked = None
         if policy.scores_stacked_requests and queries is not None:
             stacked = StackedWindows(queries, query_lens, points)
+        num_heads = live.shape[1]
         together = ScoringInputs(
             keys, values, key_positions.flatten(0, 1), None, None, first.scale,
             evicted=moments.heads() if moments is not None else None, rotary=first.rotary,
             output_projection=first.output_projection, window_votes=votes, windows=stacked,
+            kv_heads=torch.arange(live.shape[0] * num_heads, device=live.device) % num_heads,
         )
         try:
             raw = policy.score(together).float()

@@ -28,6 +28,9 @@ Shapes (one request, one layer)::
     windows          R requests' observation windows when the rows are
                      R requests' KV heads stacked (StackedWindows, for
                      scores_stacked_requests), or None
+    kv_heads         [rows] int64 each row's KV head in its layer where the
+                     rows are R requests' heads stacked (row r * H + h: h),
+                     or None (row h: KV head h)
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -97,6 +100,7 @@ class ScoringInputs:
     window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
     reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
     windows: StackedWindows | None = None  # R requests' windows, for scores_stacked_requests
+    kv_heads: torch.Tensor | None = None  # [rows] each row's KV head, where R requests' rows are stacked
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -133,6 +137,7 @@ class ScoringInputs:
             reconstruction=(
                 self.reconstruction[h : h + 1, tokens] if self.reconstruction is not None else None
             ),
+            kv_heads=self.kv_heads[h : h + 1] if self.kv_heads is not None else None,
         )
 
 
@@ -189,8 +194,9 @@ class EvictionPolicy(ABC):
     """Each KV head's row is scored from its own keys, values and
     ``key_positions`` alone (no queries, no statistic shared across the
     heads of a layer; padding, at ``PADDING_POSITION`` with zero keys and
-    values, changes no other token's score), so the rows of several
-    requests can be scored as one layer of ``R * H`` heads."""
+    values, changes no other token's score) and the row's KV head
+    (``kv_heads``), so the rows of several requests can be scored as one
+    layer of ``R * H`` heads."""
     scores_stacked_requests: ClassVar[bool] = False
     """Scores the KV heads of ``R`` requests stacked as one layer of ``R *
     H`` rows, each request's rows with statistics of its own window
