@@ -25,7 +25,9 @@ reading the layer's keys once at the measured copy bandwidth. And the eviction
 step as serving runs it on the Triton path, the engine's own code with its
 selection and bookkeeping: ``compact_head_pages_many`` of every layer, AdaKV +
 SnapKV, and ``evict_slots_many`` (the default storage), SnapKV, each layer's
-requests as one batch (no moments). One decode step =
+requests as one batch (no moments); MomentKV on head pages (its moments
+folded by the compaction) and CriticalKV on head pages (Expected Attention's
+base, the value factor by its kernel), each one batch too. One decode step =
 ``head_paged_attention`` of every layer (the rest of the model is not counted,
 so the ratio overstates the share of a whole decode step). Reported: the
 times, the eviction step's ratio to the decode step with each way of scoring,
@@ -205,7 +207,10 @@ def engine_step(
     positions: a few MB) so every run does the same work. ``policy``
     momentkv: MomentKV on head pages, each request's moments as after a
     decode-time history (``L`` tokens evicted before, so one round, as at
-    a decode-time point), restored each run too."""
+    a decode-time point), restored each run too; criticalkv: CriticalKV on
+    Expected Attention (RoPE of base 500,000), an output projection of
+    ``d_model =`` query heads x head_dim, the value factor by the Triton
+    kernel."""
     from vllm_kvevict.eviction.allocation import AdaKVAllocation, UniformAllocation
     from vllm_kvevict.eviction.cache_ops import EvictionObserver
     from vllm_kvevict.eviction.head_pages import compact_head_pages_many
@@ -214,7 +219,7 @@ def engine_step(
     from vllm_kvevict.eviction.slots import evict_slots_many
     from vllm_kvevict.moments import EvictedMoments
     from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
-    from vllm_kvevict.policies import ScoringInputs, make_policy
+    from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs, make_policy
 
     batch, length, heads, ps, dev = requests.batch, requests.length, setup.kv_heads, setup.page_size, setup.device
     window = window_q.shape[1]
@@ -249,12 +254,24 @@ def engine_step(
     ]
     query_positions = torch.arange(length - window, length, device=dev)
     frontier = evict // ps * ps
+    projection = rotary = None
+    if rule.policy.needs_output_projection:
+        d_model = setup.q_heads * setup.head_dim
+        weight = torch.randn(d_model, d_model, device=dev, dtype=setup.dtype) / d_model**0.5
+        projection = weight.t().reshape(setup.q_heads, setup.head_dim, d_model)  # o_proj.weight.T, a view
+    if rule.policy.needs_rotary:
+        rotary = RotaryFrequencies(
+            1.0 / 500000.0 ** (torch.arange(0, setup.head_dim, 2, dtype=torch.float64, device=dev) / setup.head_dim)
+        )
 
     def scoring_inputs(b: int):
         queries = window_q[b].transpose(0, 1)  # [Hq, W, D]
 
         def inputs(keys, values, positions, evicted):
-            return ScoringInputs(keys, values, positions, queries, query_positions, requests.scale, evicted)
+            return ScoringInputs(
+                keys, values, positions, queries, query_positions, requests.scale, evicted,
+                rotary=rotary, output_projection=projection,
+            )
 
         return inputs
 
@@ -551,6 +568,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
                                       evict, "slots"))
     t_moments = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
                                         evict, "head_pages", "momentkv"))
+    t_critical = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
+                                         evict, "head_pages", "criticalkv"))
     t_score = setup.timer(scores)
     t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
@@ -574,6 +593,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         "engine_slots_eviction_step_us": t_slots * 1e6, "engine_slots_eviction_over_decode": t_slots / t_decode,
         "engine_momentkv_eviction_step_us": t_moments * 1e6,
         "engine_momentkv_eviction_over_decode": t_moments / t_decode,
+        "engine_criticalkv_eviction_step_us": t_critical * 1e6,
+        "engine_criticalkv_eviction_over_decode": t_critical / t_decode,
     }
     print(
         "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
@@ -593,6 +614,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
          t_engine),
         ("the served path, slots (evict_slots_many, SnapKV, the layer's requests as one batch)", t_slots),
         ("the served path, head pages, MomentKV (AdaKV, one round, the moments folded; one batch)", t_moments),
+        ("the served path, head pages, CriticalKV (AdaKV, Expected Attention's base, the value factor by its "
+         "kernel; one batch)", t_critical),
     ):
         print(
             f"| {label} | {t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_e * 1e6:,.0f} | "
