@@ -429,6 +429,35 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
                     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["streamingllm", "random", "keydiff"])
+def test_the_policies_of_positions_read_no_key_or_value(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StreamingLLM and random score a batch from the tokens' positions
+    (and KV heads) alone: the cache's read by address is never called, and
+    they keep what they keep when it is (KeyDiff, which scores keys, reads)."""
+    rule = KeepRule(make_policy(name), AdaKVAllocation(0.2), SINKS, RECENT)
+    reading, blind = Requests(4, 3, seed=3), Requests(4, 3, seed=3)
+    reads: list[int] = []
+    original = TritonPagedCache.read_tokens
+
+    def counted(self, *args):
+        reads.append(1)
+        return original(self, *args)
+
+    observer = EvictionObserver()
+    for point, last in ((FIRST, 0), (SECOND, FIRST)):
+        monkeypatch.setattr(TritonPagedCache, "read_tokens", counted)
+        kept = compact_head_pages_many(blind.cache, rule, blind.layer_evictions(point, last), 0, observer)
+        monkeypatch.undo()
+        if name == "keydiff":
+            assert reads
+            return
+        assert not reads
+        rows_rule = KeepRule(request_by_request(make_policy(name)), AdaKVAllocation(0.2), SINKS, RECENT)
+        want = compact_head_pages_many(reading.cache, rows_rule, reading.layer_evictions(point, last), 0, observer)
+        assert [k.tolist() for k in kept] == [w.tolist() for w in want]
+    assert torch.equal(blind.cache.kv_cache, reading.cache.kv_cache)
+
+
 @pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff", "random"])
 def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone(policy: str) -> None:
     """The slots storage's batch (the window-score kernel's votes, or the

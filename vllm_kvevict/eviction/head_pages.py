@@ -450,8 +450,9 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
     cache that compacts in place (the device path's), for a policy that
     scores from the window votes (``reads_window_votes``: SnapKV, H2O,
     TOVA), where the cache computes the votes, and from each head's row of
-    tokens alone (``scores_rows_apart``: Knorm, KeyDiff, StreamingLLM,
-    random) or
+    tokens alone (``scores_rows_apart``: Knorm, KeyDiff; StreamingLLM and
+    random from their positions, no key or value read:
+    ``scores_positions_only``) or
     with its request's window (``scores_stacked_requests``: Expected
     Attention; MomentKV, with the votes, its rounds and its moments;
     CriticalKV, its two stages and value factor), where
@@ -601,9 +602,9 @@ class ScoredTokens:
             votes = stacked_window_votes(
                 cache, queries, query_lens, first.scale, pages, lens, positions, block_rows, starts, points, width
             ).flatten(0, 1)
-        if reads_tokens(policy):
+        if reads_tokens(policy) and not policy.scores_positions_only:
             keys, values = cache.read_tokens(addresses.flatten(0, 1), live.flatten(0, 1))  # type: ignore[attr-defined]
-        else:
+        else:  # no key or value is read
             keys = values = torch.empty(addresses.shape[0] * addresses.shape[1], width, 0, device=addresses.device)
         stacked = None
         if policy.scores_stacked_requests and queries is not None:

@@ -197,6 +197,10 @@ class EvictionPolicy(ABC):
     values, changes no other token's score) and the row's KV head
     (``kv_heads``), so the rows of several requests can be scored as one
     layer of ``R * H`` heads."""
+    scores_positions_only: ClassVar[bool] = False
+    """Scores from ``key_positions`` (and ``kv_heads``) alone, never the keys
+    or values: an engine that scores rows apart may pass them with no
+    columns (``[rows, S, 0]``) instead of reading them."""
     scores_stacked_requests: ClassVar[bool] = False
     """Scores the KV heads of ``R`` requests stacked as one layer of ``R *
     H`` rows, each request's rows with statistics of its own window

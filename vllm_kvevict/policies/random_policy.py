@@ -19,6 +19,7 @@ class RandomPolicy(EvictionPolicy):
 
     name = "random"
     scores_rows_apart = True  # each row from its positions and its KV head (kv_heads)
+    scores_positions_only = True
     seed: int = 0
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:

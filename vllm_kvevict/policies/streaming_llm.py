@@ -18,6 +18,7 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     name = "streamingllm"
     scores_rows_apart = True
+    scores_positions_only = True
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         return inputs.key_positions.float()
