@@ -317,3 +317,56 @@ def test_options_and_missing_projection_are_refused():
     inputs.output_projection = None
     with pytest.raises(AssertionError, match="defensivekv needs the output projection"):
         DefensiveKVPolicy().score(inputs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_requests_stacked_score_and_refine_as_each_alone(seed):
+    """The KV heads of requests with their own windows (of different
+    lengths), points, positions and ragged heads, stacked as one layer of
+    ``R * H`` rows (``windows``), score and refine as each request alone:
+    the same scores up to fp32 rounding, the same stage-1 sets and kept
+    tokens (a request's window, value shares, highest score and stage-1
+    signal its own)."""
+    from vllm_kvevict.policies.base import StackedWindows
+
+    gen = torch.Generator().manual_seed(700 + seed)
+    shapes = [(8, 120), (5, 90), (8, 100), (3, 64)]  # (window, end) per request
+    alone = [_inputs(gen, window=w, end=e) for w, e in shapes]
+    projection = alone[0].output_projection
+    for inputs in alone:
+        inputs.output_projection = projection
+    heads, width = alone[0].keys.shape[0], max(i.keys.shape[1] for i in alone)
+    window = max(w for w, _ in shapes)
+
+    def padded(t, fill):
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=fill)
+
+    queries = torch.stack([
+        torch.nn.functional.pad(i.queries, (0, 0, 0, window - i.queries.shape[1])) for i in alone
+    ])
+    stacked = ScoringInputs(
+        torch.cat([padded(i.keys, 0.0) for i in alone]), torch.cat([padded(i.values, 0.0) for i in alone]),
+        torch.cat([padded(i.key_positions, PADDING_POSITION) for i in alone]), None, None, alone[0].scale,
+        output_projection=projection,
+        windows=StackedWindows(queries, torch.tensor([w for w, _ in shapes]), torch.tensor([e for _, e in shapes])),
+    )
+    policy = DefensiveKVPolicy()
+    got = policy.score(stacked)
+    masked, counts = [], []
+    for r, (inputs, (_, end)) in enumerate(zip(alone, shapes)):
+        want = policy.score(inputs)
+        rows = got[r * heads : (r + 1) * heads]
+        torch.testing.assert_close(rows[:, : want.shape[1]], want, rtol=1e-5, atol=1e-9)
+        assert not rows[:, want.shape[1] :].any()
+        live = inputs.key_positions < PADDING_POSITION
+        m = policy.masked_scores(inputs, 2, 2, end, live)
+        masked.append(padded(m[..., None], -INF)[..., 0])
+        counts.append(allocate_head_tokens(AdaKVAllocation(0.2), m, total_pages=heads * 6, page_size=4))
+    refined = policy.refine_scores(stacked, torch.cat(masked), torch.cat(counts))
+    for r, inputs in enumerate(alone):
+        want = policy.refine_scores(inputs, masked[r][:, : inputs.keys.shape[1]], counts[r])
+        rows = refined[r * heads : (r + 1) * heads, : want.shape[1]]
+        assert torch.equal(torch.isinf(rows), torch.isinf(want))  # the same stage-1 sets (and padding)
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(rows[finite], want[finite], rtol=1e-5, atol=1e-9)
+        assert torch.equal(select_top(rows, counts[r]), select_top(want, counts[r]))

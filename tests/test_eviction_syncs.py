@@ -262,6 +262,9 @@ CASES = {
     "head_pages, AdaKV + CriticalKV (Expected Attention)": (
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "criticalkv"), 3
     ),
+    "head_pages, AdaKV + DefensiveKV": (
+        lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "defensivekv"), 3
+    ),
     "slots, SnapKV": (slots_step, 2),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
@@ -363,7 +366,7 @@ def request_by_request(policy):
 @pytest.mark.parametrize(
     "policy",
     ["snapkv", "h2o", "tova", "knorm", "keydiff", "streamingllm", "expected_attention", "momentkv", "snapkv+moments",
-     "criticalkv", "criticalkv+snapkv", "random"],
+     "criticalkv", "criticalkv+snapkv", "random", "defensivekv"],
 )
 @pytest.mark.parametrize("allocation", [AdaKVAllocation(0.2), UniformAllocation()], ids=["adakv", "uniform"])
 def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(allocation, policy: str) -> None:

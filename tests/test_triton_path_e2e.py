@@ -13,7 +13,8 @@ TOVA, KeyDiff and Expected Attention on AdaKV (head pages: TOVA from the
 window-score kernel's votes of the last query, KeyDiff and Expected Attention
 from the tokens read by address, each scored as one batch of the step's
 requests), MomentKV (the correction on), CriticalKV on Expected Attention
-(its two stages and value factor for the step's requests at once) and the
+(its two stages and value factor for the step's requests at once),
+DefensiveKV (the step's requests' windows stacked) and the
 learned policy (global eviction, with seeded random gates) on the tiny
 random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
@@ -57,6 +58,7 @@ CASES = {
     "expected-attention": {"policy": "expected_attention", **EVICTION},  # AdaKV head pages by default
     "momentkv": {"policy": "momentkv", **EVICTION},
     "criticalkv": {"policy": "criticalkv", **EVICTION},  # AdaKV head pages, Expected Attention's base
+    "defensivekv": {"policy": "defensivekv", **EVICTION},  # AdaKV head pages
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
 }
 KERNELS = ("native", "triton")

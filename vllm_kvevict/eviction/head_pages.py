@@ -455,7 +455,7 @@ def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[Layer
     ``scores_positions_only``) or
     with its request's window (``scores_stacked_requests``: Expected
     Attention; MomentKV, with the votes, its rounds and its moments;
-    CriticalKV, its two stages and value factor), where
+    CriticalKV, its two stages and value factor; DefensiveKV), where
     the cache reads tokens by address; that refines nothing, or refines a
     request's rows apart from the others' (``scores_stacked_requests``);
     split by an allocation that splits requests together (uniform, AdaKV);

@@ -20,6 +20,30 @@ from vllm_kvevict.policies.criticalkv import projected_value_norms
 from vllm_kvevict.top_k import top_k_mask
 
 
+def stacked_attention_probs(inputs: ScoringInputs) -> torch.Tensor:
+    """:func:`~vllm_kvevict.policies.base.grouped_attention_probs` of ``R``
+    requests' KV heads stacked as rows (``inputs.windows``): row ``r * H +
+    h`` attends with request ``r``'s window, ``[R * H, G, W, S]``; a row
+    past a request's window, or a query older than every key of the row,
+    has zero weight. Nothing is read back."""
+    windows = inputs.windows
+    assert windows is not None
+    num_rows, num_keys, head_dim = inputs.keys.shape
+    requests, num_q_heads, width, _ = windows.queries.shape
+    heads = num_rows // requests
+    group = num_q_heads // heads
+    queries = (windows.queries.float() * inputs.scale).reshape(num_rows, group * width, head_dim)
+    logits = torch.bmm(queries, inputs.keys.float().transpose(1, 2)).view(num_rows, group, width, num_keys)
+    query_positions, in_window = windows.positions()
+    query_positions = query_positions.to(logits.device).repeat_interleave(heads, 0)  # [R * H, W]
+    key_positions = inputs.key_positions
+    future = key_positions[:, None, None, :] > query_positions[:, None, :, None]
+    probs = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1)
+    blind = key_positions.min(-1).values[:, None] > query_positions
+    dead = blind | ~in_window.to(logits.device).repeat_interleave(heads, 0)  # [R * H, W]
+    return probs.masked_fill_(dead[:, None, :, None], 0.0)
+
+
 def defensive_aggregation(importance: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     """The paper's two-step aggregation (Alg. 1) of ``importance [H, G, W, S]``
     (each query head ``g`` of KV head ``h`` and each observation query ``w``
@@ -37,7 +61,8 @@ def defensive_aggregation(importance: torch.Tensor, prefix: torch.Tensor) -> tor
 
 
 def value_norm_shares(
-    values: torch.Tensor, output_projection: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+    values: torch.Tensor, output_projection: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
+    requests: int = 1,
 ) -> torch.Tensor:
     """``N̂[h, i] = N[h, i] / Σ_h' N[h', i]``, ``[H, S]`` fp32: CriticalKV's
     ``N = mean over the group's query heads of ‖v_i W_O‖₁``
@@ -45,13 +70,21 @@ def value_norm_shares(
     share of the sum over the layer's ``H`` KV heads at the same position.
     Where some heads no longer hold the position (evicted earlier), the sum
     is ``H`` times the mean over those that do. Only ``tokens [H, S]`` (bool)
-    are computed; the rest are 0."""
-    norms = projected_value_norms(values, output_projection, tokens)
-    unique, index = torch.unique(positions[tokens], return_inverse=True)
+    are computed; the rest are 0. ``requests`` > 1: the rows are that many
+    requests' ``H`` heads stacked, each request's positions its own."""
+    num_heads = positions.shape[0] // requests
+    norms = projected_value_norms(
+        values.unflatten(0, (requests, num_heads)), output_projection, tokens.unflatten(0, (requests, num_heads))
+    ).flatten(0, 1)
+    keys = positions
+    if requests > 1:  # request r's positions apart from the others': r * 2^41 + position
+        request = torch.arange(requests, device=positions.device).repeat_interleave(num_heads)
+        keys = positions + (request * (2 * PADDING_POSITION))[:, None]
+    unique, index = torch.unique(keys[tokens], return_inverse=True)
     totals = torch.zeros(unique.numel(), dtype=norms.dtype, device=norms.device)
     totals.index_add_(0, index, norms[tokens])
     holders = torch.zeros_like(totals).index_add_(0, index, torch.ones_like(norms[tokens]))
-    sums = (totals * (positions.shape[0] / holders))[index]
+    sums = (totals * (num_heads / holders))[index]
     shares = torch.zeros_like(norms)
     shares[tokens] = torch.where(sums > 0, norms[tokens] / sums.clamp(min=torch.finfo(sums.dtype).tiny), 0.0)
     return shares
@@ -97,12 +130,19 @@ class DefensiveKVPolicy(EvictionPolicy):
     norms of the heads that dropped a position (:func:`value_norm_shares`).
     fp32 throughout (the authors pool and multiply in bf16, so their ties
     differ).
+
+    The KV heads of ``R`` requests stacked as one layer
+    (``scores_stacked_requests``, ``windows``) are scored in one pass, each
+    request with its own window's queries, its own positions for the value
+    shares and its own stage-1 signal: the same scores as alone up to fp32
+    rounding (the window's padded query rows change the order of its sums).
     """
 
     name = "defensivekv"
     needs_queries = True
     needs_output_projection = True
     scores_ragged_heads = True  # the value shares couple the layer's heads
+    scores_stacked_requests = True  # each request's window, positions and stage-1 signal its own
     global_scores = True  # N̂ sums to 1 over a position's KV heads in every layer
     default_prefill_mode = "end_of_prompt"
     default_head_budget = "adaptive"
@@ -125,6 +165,18 @@ class DefensiveKVPolicy(EvictionPolicy):
         if probs.shape[2] == 0:  # no observation query: nothing to rank by
             return torch.zeros(prefix.shape, device=prefix.device)
         risk = defensive_aggregation(self._pooled(probs, prefix), prefix)
+        if inputs.windows is not None:
+            requests = inputs.windows.queries.shape[0]
+            shares = value_norm_shares(
+                inputs.values, inputs.output_projection, inputs.key_positions, prefix, requests
+            )
+            scores = risk * shares
+            # Each request's highest score (0 where it holds no key before its window).
+            per_request = scores.unflatten(0, (requests, -1)).flatten(1)
+            any_prefix = prefix.unflatten(0, (requests, -1)).flatten(1).any(-1)
+            highest = torch.where(any_prefix, per_request.max(-1).values, 0.0)
+            highest = highest.repeat_interleave(scores.shape[0] // requests)[:, None]
+            return torch.where(window, highest, scores)
         shares = value_norm_shares(inputs.values, inputs.output_projection, inputs.key_positions, prefix)
         scores = risk * shares
         highest = scores.max() if bool(prefix.any()) else scores.new_zeros(())
@@ -138,7 +190,8 @@ class DefensiveKVPolicy(EvictionPolicy):
         if "defensivekv.mass" not in inputs.memo:
             self._window_attention(inputs)
         mass, threshold = inputs.memo["defensivekv.mass"], inputs.memo["defensivekv.threshold"]
-        window_length = int(inputs.memo["defensivekv.window"])
+        window_length = inputs.memo["defensivekv.window"]  # a scalar, or [H] for stacked requests' rows
+        window_length = int(window_length) if window_length.dim() == 0 else window_length
         share = torch.nan_to_num(mass / mass.sum(-1, keepdim=True), nan=0.0)
         order = torch.sort(share, dim=-1, descending=True, stable=True).values
         crossing = order.cumsum(-1) >= threshold
@@ -147,15 +200,21 @@ class DefensiveKVPolicy(EvictionPolicy):
         cap = ((live - window_length) * counts / live.clamp(min=1) - window_length).long()
         fixed = scores == float("inf")
         room = (counts - fixed.sum(-1)).clamp(min=0)
-        first = top_k_mask(share, torch.minimum(reached, cap.clamp(min=0))) & (mass > 0)
+        target = torch.minimum(reached, cap.clamp(min=0))
+        most = int(target.max()) if target.numel() else 0  # one read sizes both top-k
+        first = top_k_mask(share, target, at_most=most) & (mass > 0)
         first &= ~fixed & (scores > float("-inf"))
-        first &= top_k_mask(share.masked_fill(~first, float("-inf")), torch.minimum(room, first.sum(-1)))
+        first &= top_k_mask(
+            share.masked_fill(~first, float("-inf")), torch.minimum(room, first.sum(-1)), at_most=most
+        )
         return scores.masked_fill(first, float("inf"))
 
     def _window_attention(self, inputs: ScoringInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The window attention ``[H, G, W, S]``, the keys older than the
         window and the window's own keys (``[H, S]`` bool each); the stage-1
         signal goes to ``inputs.memo`` for :meth:`refine_scores`."""
+        if inputs.windows is not None:
+            return self._stacked_window_attention(inputs)
         assert inputs.query_positions is not None
         positions = inputs.key_positions
         probs = grouped_attention_probs(inputs)
@@ -164,6 +223,38 @@ class DefensiveKVPolicy(EvictionPolicy):
         prefix = positions < first_query
         window = (positions >= first_query) & (positions < PADDING_POSITION)
         inputs.memo.update(self._stage_one_signal(probs, positions, prefix, first_query))
+        return probs, prefix, window
+
+    def _stacked_window_attention(
+        self, inputs: ScoringInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_window_attention` of ``R`` requests' rows stacked: each
+        request's rows attend with its own window (``[R * H, G, W, S]``, a
+        request's query rows past its window zero), its keys older than its
+        window and its window's keys; its stage-1 signal per row (the
+        window attention's mean over the group and its own queries, its
+        threshold and window length). Nothing is read back."""
+        windows = inputs.windows
+        assert windows is not None
+        probs = stacked_attention_probs(inputs)
+        num_rows, group, width, _ = probs.shape
+        requests = windows.queries.shape[0]
+        heads = num_rows // requests
+        lens = windows.lens.to(probs.device)
+        first_query = (windows.points.to(probs.device) - lens).repeat_interleave(heads)[:, None]  # [R * H, 1]
+        positions = inputs.key_positions
+        prefix = positions < first_query
+        window = (positions >= first_query) & (positions < PADDING_POSITION)
+        counted = (lens * group).clamp(min=1).to(torch.float32)  # each request's query rows
+        mass = (probs.sum(dim=(1, 2)) / counted.repeat_interleave(heads)[:, None]).masked_fill(~prefix, 0.0)
+        before = (positions >= first_query - lens.repeat_interleave(heads)[:, None]) & prefix
+        before_mass = (probs * before[:, None, None, :]).sum(-1).sum(dim=(1, 2))  # [R * H]
+        window_bias = before_mass.view(requests, heads).sum(-1) / (counted * heads)  # [R]
+        inputs.memo.update({
+            "defensivekv.mass": mass,
+            "defensivekv.threshold": (self.stage_one_mass - window_bias).repeat_interleave(heads)[:, None],
+            "defensivekv.window": lens.repeat_interleave(heads),
+        })
         return probs, prefix, window
 
     def _stage_one_signal(
