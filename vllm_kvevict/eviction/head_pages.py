@@ -609,12 +609,11 @@ class ScoredTokens:
         stacked = None
         if policy.scores_stacked_requests and queries is not None:
             stacked = StackedWindows(queries, query_lens, points)
-        num_heads = live.shape[1]
         together = ScoringInputs(
             keys, values, key_positions.flatten(0, 1), None, None, first.scale,
             evicted=moments.heads() if moments is not None else None, rotary=first.rotary,
             output_projection=first.output_projection, window_votes=votes, windows=stacked,
-            kv_heads=torch.arange(live.shape[0] * num_heads, device=live.device) % num_heads,
+            heads_per_request=live.shape[1],
         )
         try:
             raw = policy.score(together).float()

@@ -28,9 +28,9 @@ Shapes (one request, one layer)::
     windows          R requests' observation windows when the rows are
                      R requests' KV heads stacked (StackedWindows, for
                      scores_stacked_requests), or None
-    kv_heads         [rows] int64 each row's KV head in its layer where the
-                     rows are R requests' heads stacked (row r * H + h: h),
-                     or None (row h: KV head h)
+    heads_per_request  H where the rows are R requests' KV heads stacked
+                     (row r * H + h: request r's KV head h), or None (row
+                     h: KV head h)
 
 ``H`` KV heads serve ``Hq = H * G`` query heads (GQA); query head ``j`` reads
 KV head ``j // G``, as in vLLM and transformers.
@@ -100,7 +100,7 @@ class ScoringInputs:
     window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
     reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
     windows: StackedWindows | None = None  # R requests' windows, for scores_stacked_requests
-    kv_heads: torch.Tensor | None = None  # [rows] each row's KV head, where R requests' rows are stacked
+    heads_per_request: int | None = None  # H, where the rows are R requests' H KV heads stacked
     memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Work a policy's :meth:`~EvictionPolicy.score` shares with its
     :meth:`~EvictionPolicy.refine_scores` of the same inputs (one eviction)."""
@@ -137,8 +137,13 @@ class ScoringInputs:
             reconstruction=(
                 self.reconstruction[h : h + 1, tokens] if self.reconstruction is not None else None
             ),
-            kv_heads=self.kv_heads[h : h + 1] if self.kv_heads is not None else None,
         )
+
+    @property
+    def requests(self) -> int:
+        """``R``, the requests whose KV heads the rows stack with their
+        windows (``windows``, for ``scores_stacked_requests``), else 1."""
+        return self.windows.queries.shape[0] if self.windows is not None else 1
 
 
 def finite_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -195,10 +200,10 @@ class EvictionPolicy(ABC):
     ``key_positions`` alone (no queries, no statistic shared across the
     heads of a layer; padding, at ``PADDING_POSITION`` with zero keys and
     values, changes no other token's score) and the row's KV head
-    (``kv_heads``), so the rows of several requests can be scored as one
+    (``heads_per_request``), so the rows of several requests can be scored as one
     layer of ``R * H`` heads."""
     scores_positions_only: ClassVar[bool] = False
-    """Scores from ``key_positions`` (and ``kv_heads``) alone, never the keys
+    """Scores from ``key_positions`` (and ``heads_per_request``) alone, never the keys
     or values: an engine that scores rows apart may pass them with no
     columns (``[rows, S, 0]``) instead of reading them."""
     scores_stacked_requests: ClassVar[bool] = False

@@ -193,8 +193,7 @@ class CriticalKVPolicy(EvictionPolicy):
         # protected (+inf), not padding (-inf).
         candidates = ~first & torch.isfinite(scores)
         # R requests' heads stacked as rows (windows): each row's KV head is its index mod H.
-        requests = inputs.windows.queries.shape[0] if inputs.windows is not None else 1
-        values = inputs.values.unflatten(0, (requests, -1))
+        values = inputs.values.unflatten(0, (inputs.requests, -1))
         norms = projected_value_norms(values, inputs.output_projection, candidates.view(values.shape[:3]))
         norms = norms.flatten(0, 1)
         refined = torch.where(candidates, (scores.float() + self.epsilon) * norms, 0.0)

@@ -165,22 +165,15 @@ class DefensiveKVPolicy(EvictionPolicy):
         if probs.shape[2] == 0:  # no observation query: nothing to rank by
             return torch.zeros(prefix.shape, device=prefix.device)
         risk = defensive_aggregation(self._pooled(probs, prefix), prefix)
-        if inputs.windows is not None:
-            requests = inputs.windows.queries.shape[0]
-            shares = value_norm_shares(
-                inputs.values, inputs.output_projection, inputs.key_positions, prefix, requests
-            )
-            scores = risk * shares
-            # Each request's highest score (0 where it holds no key before its window).
-            per_request = scores.unflatten(0, (requests, -1)).flatten(1)
-            any_prefix = prefix.unflatten(0, (requests, -1)).flatten(1).any(-1)
-            highest = torch.where(any_prefix, per_request.max(-1).values, 0.0)
-            highest = highest.repeat_interleave(scores.shape[0] // requests)[:, None]
-            return torch.where(window, highest, scores)
-        shares = value_norm_shares(inputs.values, inputs.output_projection, inputs.key_positions, prefix)
+        requests = inputs.requests
+        shares = value_norm_shares(inputs.values, inputs.output_projection, inputs.key_positions, prefix, requests)
         scores = risk * shares
-        highest = scores.max() if bool(prefix.any()) else scores.new_zeros(())
-        return scores.masked_fill(window, float(highest))
+        # Each request's highest score (0 where it holds no key before its window).
+        per_request = scores.unflatten(0, (requests, -1)).flatten(1)
+        any_prefix = prefix.unflatten(0, (requests, -1)).flatten(1).any(-1)
+        highest = torch.where(any_prefix, per_request.max(-1).values, 0.0)
+        highest = highest.repeat_interleave(scores.shape[0] // requests)[:, None]
+        return torch.where(window, highest, scores)
 
     def refine_scores(
         self, inputs: ScoringInputs, scores: torch.Tensor, counts: torch.Tensor
@@ -238,22 +231,23 @@ class DefensiveKVPolicy(EvictionPolicy):
         assert windows is not None
         probs = stacked_attention_probs(inputs)
         num_rows, group, width, _ = probs.shape
-        requests = windows.queries.shape[0]
+        requests = inputs.requests
         heads = num_rows // requests
         lens = windows.lens.to(probs.device)
+        row_lens = lens.repeat_interleave(heads)  # [R * H]: each row's window length
         first_query = (windows.points.to(probs.device) - lens).repeat_interleave(heads)[:, None]  # [R * H, 1]
         positions = inputs.key_positions
         prefix = positions < first_query
         window = (positions >= first_query) & (positions < PADDING_POSITION)
         counted = (lens * group).clamp(min=1).to(torch.float32)  # each request's query rows
         mass = (probs.sum(dim=(1, 2)) / counted.repeat_interleave(heads)[:, None]).masked_fill(~prefix, 0.0)
-        before = (positions >= first_query - lens.repeat_interleave(heads)[:, None]) & prefix
+        before = (positions >= first_query - row_lens[:, None]) & prefix
         before_mass = (probs * before[:, None, None, :]).sum(-1).sum(dim=(1, 2))  # [R * H]
         window_bias = before_mass.view(requests, heads).sum(-1) / (counted * heads)  # [R]
         inputs.memo.update({
             "defensivekv.mass": mass,
             "defensivekv.threshold": (self.stage_one_mass - window_bias).repeat_interleave(heads)[:, None],
-            "defensivekv.window": lens.repeat_interleave(heads),
+            "defensivekv.window": row_lens,
         })
         return probs, prefix, window
 

@@ -108,7 +108,7 @@ class MomentKVPolicy(EvictionPolicy):
         live = (scores > float("-inf")).sum(-1)
         to_evict = (live - counts).clamp(min=0)  # [H]
         moments = inputs.evicted
-        requests = inputs.windows.queries.shape[0] if inputs.windows is not None else 1
+        requests = inputs.requests
         per_head = self.rounds_per_request(to_evict, moments.count, requests)  # [H], each its request's
         host_evict, host_rounds = torch.stack([to_evict, per_head]).tolist()  # the one read
         rounds = max(host_rounds, default=1)

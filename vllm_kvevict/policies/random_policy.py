@@ -18,16 +18,15 @@ class RandomPolicy(EvictionPolicy):
     """
 
     name = "random"
-    scores_rows_apart = True  # each row from its positions and its KV head (kv_heads)
+    scores_rows_apart = True  # each row from its positions and its KV head (heads_per_request)
     scores_positions_only = True
     seed: int = 0
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         positions = inputs.key_positions.double()
-        if inputs.kv_heads is not None:
-            heads = inputs.kv_heads.to(torch.float64)[:, None]
-        else:
-            heads = torch.arange(positions.shape[0], dtype=torch.float64, device=positions.device)[:, None]
+        heads = torch.arange(positions.shape[0], dtype=torch.float64, device=positions.device)[:, None]
+        if inputs.heads_per_request is not None:  # R requests' rows stacked: row r * H + h is head h
+            heads = heads % inputs.heads_per_request
         # The classic fract(sin(x) * 43758.5453) hash, in float64.
         x = torch.sin(positions * 12.9898 + heads * 78.233 + self.seed * 37.719) * 43758.5453
         return x - torch.floor(x)
