@@ -120,6 +120,17 @@ class Requests:
         self.offsets = [layer * self.blocks_per_layer for layer in range(layers)]
         # [Hq, D, d_model]: a view of an o_proj weight's transpose, as the server passes it
         self.projection = torch.randn(24, num_heads * GROUP * DIM, generator=gen).t().reshape(-1, DIM, 24)
+        # The other layers' own windows and output projections (the pooled layers' ranking).
+        self.layer_rings = [self.ring_table] + [
+            torch.randn(num_requests, WINDOW, num_heads * GROUP, DIM, generator=gen) for _ in range(layers - 1)
+        ]
+        self.layer_queries = [self.queries] + [
+            torch.randn(num_requests, num_heads * GROUP, DIM, generator=gen) for _ in range(layers - 1)
+        ]
+        self.projections = [self.projection] + [
+            torch.randn(24, num_heads * GROUP * DIM, generator=gen).t().reshape(-1, DIM, 24)
+            for _ in range(layers - 1)
+        ]
 
     def _compaction(self, *args: object) -> None:
         """The Triton compaction's stand-in: its torch twin, one launch."""
@@ -180,14 +191,20 @@ class Requests:
         ]
 
     def pooled(self, point: int, last: int) -> list[PooledEviction]:
-        evictions = []
-        for r in range(len(self.rows)):
-            ev = self.point(r, point, last)
-            observation = [self.observation(r, ev)] * self.layers
-            evictions.append(
-                PooledEviction(ev, self.rows[r], self.block_rows[r], last, ev.frontier_before, observation)
-            )
-        return evictions
+        """Every request at ``point``, ranked over every layer."""
+        return [self.pooled_point(self.point(r, point, last)) for r in range(len(self.rows))]
+
+    def pooled_point(self, ev: EvictionPoint) -> PooledEviction:
+        """Request ``ev.state_row``'s point over every layer: each layer's own
+        observation queries and output projection."""
+        r = ev.state_row
+        observation = [
+            observation_queries(rings[r], queries, ev) for rings, queries in zip(self.layer_rings, self.layer_queries)
+        ]
+        parts = [{"output_projection": projection} for projection in self.projections]
+        return PooledEviction(
+            ev, self.rows[r], self.block_rows[r], ev.region_start, ev.frontier_before, observation, parts
+        )
 
 
 def head_pages_step(num_requests: int, num_heads: int, allocation, name: str = "snapkv") -> HostReads:
@@ -237,15 +254,18 @@ def global_step(num_requests: int, num_heads: int, allocation, name: str) -> Hos
     observer = EvictionObserver()
     args = requests.offsets, requests.log_beta, DIM**-0.5, observer
     compact_global_many(requests.cache, rule, requests.pooled(FIRST, 0), *args)
-    with count_host_reads() as reads:
-        compact_global_many(requests.cache, rule, requests.pooled(SECOND, FIRST), *args)
+    pooled = requests.pooled(SECOND, FIRST)  # the windows: gathered in each layer's forward
+    with count_host_reads() as reads, value_norms_kernel(requests):
+        requests.reads = reads
+        compact_global_many(requests.cache, rule, pooled, *args)
     return reads
 
 
 # case: (its eviction step, the engine's host reads per call). Head pages with
 # SnapKV: the selection's read, the counts read back (the test does not pass
 # them), and one copy of the requests' points, budgets and window sizes to
-# the device; slots with SnapKV: the copy and the selection's read. SnapKV
+# the device; slots with SnapKV: the copy and the selection's read; the
+# pooled layers (global pages) the same three for every request and layer. SnapKV
 # then reads nothing: the window-score kernel votes (TOVA's from the last
 # query); KeyDiff's keys are read by address in one gather.
 CASES = {
@@ -266,8 +286,11 @@ CASES = {
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "defensivekv"), 3
     ),
     "slots, SnapKV": (slots_step, 2),
-    "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 2),
-    "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 2),
+    "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 3),
+    "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 3),
+    "global pages, Layer-DefensiveKV": (
+        lambda r, h: global_step(r, h, GlobalAllocation(), "layer_defensivekv"), 3
+    ),
 }
 
 
@@ -430,6 +453,96 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
                 assert bool(a.moments.count.gt(0).any())  # evicted tokens folded
                 for got, want in zip(a.moments._buffers(), b.moments._buffers()):
                     assert torch.equal(got, want)
+
+
+def kept_tokens(requests: Requests) -> list[torch.Tensor]:
+    """Each stream's compacted tokens, read through its page table (what
+    attention reads: the rest of a last page, and the blocks freed, are
+    zeroed by the request-by-request write and left as they were by the
+    compaction kernel)."""
+    kept = []
+    for layers in requests.rows:
+        for rows in layers:
+            for lens, pages in zip(rows.lens.tolist(), rows.pages.tolist()):
+                keys, values = requests.cache.read_pages(torch.tensor(pages[: -(-lens // BLOCK)]), lens)
+                kept.append(torch.cat([keys, values], dim=-1))
+    return kept
+
+
+POOLED = {  # case: (policy, its options, allocation)
+    "learned": ("learned", {}, GlobalAllocation()),
+    "learned, a floor per stream": ("learned", {}, GlobalAllocation(floor=6)),
+    "layer_defensivekv": ("layer_defensivekv", {}, GlobalAllocation()),
+    "defensivekv, a floor per stream": ("defensivekv", {}, GlobalAllocation(floor=4)),
+    "pyramidkv": ("pyramidkv", {"kernel_size": 7}, PyramidAllocation(1.5)),
+    "tova, pyramid": ("tova", {}, PyramidAllocation(2.0)),
+    "knorm, pyramid": ("knorm", {}, PyramidAllocation(1.5)),
+    "random, pyramid": ("random", {}, PyramidAllocation(1.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(POOLED))
+def test_pooled_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(case: str) -> None:
+    """The pooled layers' ranking (every layer and KV head of a request at
+    once: the global top-B, PyramidKV's layer budgets) of a step's requests
+    as one batch, each at its own point with its own budget, some compacting
+    for the first time while others compact again, each layer with its own
+    window and output projection, keeps, writes and records what the policy
+    ranking each request alone keeps (attending with its windows itself,
+    its rows never stacked): the same counts per layer and head, cache,
+    page tables, positions and (the learned policy's) log β pages, in one
+    compaction launch for every request and layer."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    budgets = [48, 64, 96, 64, 32, 80]
+    firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
+    seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    name, options, allocation = POOLED[case]
+    policy = make_policy(name, options)
+    together, alone = (Requests(len(budgets), 3, layers=3, seed=seed) for _ in range(2))
+    for requests in (together, alone):  # the learned policy's layers retain on scales of their own
+        requests.log_beta.view(3, -1, BLOCK).mul_(torch.tensor([0.2, 1.0, 5.0])[:, None, None])
+    batched = KeepRule(policy, allocation, SINKS, RECENT)
+    each = KeepRule(request_by_request(policy), allocation, SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def point(requests: Requests, r: int, at: int, last: int) -> PooledEviction:
+        cut = lambda p: (p - budgets[r]) // BLOCK * BLOCK if p else 0  # noqa: E731
+        ev = EvictionPoint(
+            f"r{r}", r, r, r, at - 1, last, cut(last), at, cut(at), at, compacts=True, region_start=last,
+        )
+        return requests.pooled_point(ev)
+
+    steps = [  # (request, point, last point)
+        [(r, firsts[r], 0) for r in (0, 1, 2, 3)],
+        [(0, seconds[0], firsts[0]), (4, firsts[4], 0), (2, seconds[2], firsts[2]), (5, firsts[5], 0),
+         (3, seconds[3], firsts[3])],
+    ]
+    for step in steps:
+        pooled = [point(together, r, at, last) for r, at, last in step]
+        with count_host_reads() as reads, value_norms_kernel(together):
+            together.reads = reads
+            batch = compact_global_many(
+                together.cache, batched, pooled, together.offsets, together.log_beta, DIM**-0.5, observer
+            )
+        together.reads = None
+        # One batch: one compaction launch for every request and layer of the step.
+        assert reads.launches(lambda site: site.startswith("compact_head_pages")) == 1, reads.table()
+        for (r, at, last), per_layer in zip(step, batch):
+            (want,) = compact_global_many(
+                alone.cache, each, [point(alone, r, at, last)], alone.offsets, alone.log_beta, DIM**-0.5, observer
+            )
+            assert [c.tolist() for c in per_layer] == [c.tolist() for c in want], (r, at, last)
+    assert all(torch.equal(a, b) for a, b in zip(kept_tokens(together), kept_tokens(alone)))
+    if policy.needs_log_beta:
+        assert torch.equal(together.log_beta, alone.log_beta)
+    differ = False
+    for rows_together, rows_alone in zip(together.rows, alone.rows):
+        for a, b in zip(rows_together, rows_alone):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
+            assert torch.equal(a.lens, b.lens)
+        differ |= len({tuple(rows.lens.tolist()) for rows in rows_together}) > 1
+    assert differ  # the layers keep different numbers of tokens
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "random", "keydiff"])

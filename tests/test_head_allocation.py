@@ -8,6 +8,7 @@ import torch
 
 from vllm_kvevict.eviction.allocation import (
     AdaKVAllocation,
+    GlobalAllocation,
     PyramidAllocation,
     UniformAllocation,
     allocate_head_tokens,
@@ -419,12 +420,16 @@ def test_a_failing_policy_falls_back_to_sinks_and_recent_tokens():
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize(
-    "allocation", [UniformAllocation(), AdaKVAllocation(0.2), AdaKVAllocation(0.9)], ids=["uniform", "adakv", "adakv-0.9"]
+    "allocation",
+    [UniformAllocation(), AdaKVAllocation(0.2), AdaKVAllocation(0.9), GlobalAllocation(), GlobalAllocation(floor=5),
+     PyramidAllocation(1.5), PyramidAllocation(20.0)],
+    ids=["uniform", "adakv", "adakv-0.9", "global", "global-floor", "pyramid", "pyramid-20"],
 )
 def test_requests_split_together_as_each_alone(seed, allocation):
     """Several requests' layers split at once (each its own pages, floor and
     ragged heads) give each request what :func:`allocate_head_tokens` gives
-    it alone."""
+    it alone; the pooled layers' allocations (global, pyramid) split each
+    request's streams of two layers."""
     gen = torch.Generator().manual_seed(seed + 1000 * int(torch.randint(0, 1000, ())))
     requests, heads, width = int(torch.randint(1, 6, (1,), generator=gen)), 4, 64
     page = int(torch.tensor([1, 4, 8])[torch.randint(0, 3, (1,), generator=gen)])
@@ -435,8 +440,9 @@ def test_requests_split_together_as_each_alone(seed, allocation):
     total_pages = [int(torch.randint(1, heads * width // page // 2 + 1, (1,), generator=gen)) for _ in rows]
     floors = [allocation.floor_tokens(pages * page, heads) for pages in total_pages]
     host = torch.tensor([total_pages, floors])
+    layers = 2 if isinstance(allocation, (GlobalAllocation, PyramidAllocation)) else 1
     together = allocate_request_tokens(
-        allocation, torch.stack(rows), host[0][:, None], host[1][:, None], total_pages, page
+        allocation, torch.stack(rows), host[0][:, None], host[1][:, None], total_pages, page, layers
     )
     for row, pages, got in zip(rows, total_pages, together):
-        assert got.tolist() == allocate_head_tokens(allocation, row, pages, page).tolist()
+        assert got.tolist() == allocate_head_tokens(allocation, row, pages, page, layers).tolist()

@@ -44,12 +44,13 @@ class HeadAllocation(ABC):
         return 0
 
     def request_token_counts(
-        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int], num_layers: int = 1
     ) -> torch.Tensor:
-        """:meth:`token_counts` of ``R`` requests' layers at once: ``scores
-        [R, H, S]``, request ``r`` splitting ``totals[r]`` tokens (``[R, 1]``
-        on the device; ``host_totals``, the same on the host) → ``[R, H]``.
-        Only where :attr:`splits_requests_together`."""
+        """:meth:`token_counts` of ``R`` requests at once: ``scores [R, H, S]``
+        (each request's streams, ``num_layers`` layers of them, layer-major),
+        request ``r`` splitting ``totals[r]`` tokens (``[R, 1]`` on the
+        device; ``host_totals``, the same on the host) → ``[R, H]``. Only
+        where :attr:`splits_requests_together`."""
         raise NotImplementedError(f"{self.name} splits one request at a time")
 
 
@@ -66,7 +67,7 @@ class UniformAllocation(HeadAllocation):
         return live.clamp(max=total // scores.shape[0])
 
     def request_token_counts(
-        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int], num_layers: int = 1
     ) -> torch.Tensor:
         live = (scores > float("-inf")).sum(-1)
         return torch.minimum(live, totals // scores.shape[1])
@@ -109,7 +110,7 @@ class AdaKVAllocation(HeadAllocation):
     splits_requests_together = True
 
     def request_token_counts(
-        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int]
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int], num_layers: int = 1
     ) -> torch.Tensor:
         """:meth:`token_counts` of each request, as one top-k over each
         request's heads (the floors, then the shared budget)."""
@@ -139,23 +140,40 @@ def global_top_b(scores: torch.Tensor, budget: int, floor: int = 0) -> torch.Ten
     floor, re-chosen by its own scores. Returns a bool mask ``[S, N]`` that
     keeps exactly ``min(budget, live entries)`` entries.
     """
-    streams, width = scores.shape
-    live = scores > float("-inf")
+    streams = scores.shape[0]
     if floor * streams > budget:
         raise ValueError(f"floor {floor} x {streams} streams exceeds the budget {budget}")
-    flat = scores.reshape(1, -1)
+    return global_top_b_many(scores[None], budget, floor, budget, floor > 0)[0]
+
+
+def global_top_b_many(
+    scores: torch.Tensor, budgets: int | torch.Tensor, floors: int | torch.Tensor, at_most: int, floored: bool,
+) -> torch.Tensor:
+    """:func:`global_top_b` of ``R`` requests at once: ``scores [R, S, N]``,
+    request ``r`` keeping ``budgets[r]`` entries, each of its streams at
+    least ``floors[r]`` (ints for every request, or ``[R, 1]`` on the
+    device, each floor at most its budget over ``S``); ``at_most``: a bound
+    on every budget the host knows; ``floored``: whether any floor is above
+    0. Returns ``[R, S, N]`` bool, each request's mask as alone."""
+    requests, streams, width = scores.shape
+    live = scores > float("-inf")
+    flat = scores.reshape(requests, -1)
     # Ties to the earlier entry, as every other selection. Padding ranks last,
     # so a budget above the live entries keeps them all.
-    keep = top_k_mask(flat, budget - floor * streams).view(streams, width)
-    if floor == 0:
+    first = budgets - floors * streams
+    keep = top_k_mask(flat, first if isinstance(first, int) else first.flatten(), at_most=at_most)
+    keep = keep.view(scores.shape)
+    if not floored:
         return keep & live
-    counts = torch.minimum(keep.sum(-1) + floor, live.sum(-1))
-    keep = top_k_mask(scores, counts, at_most=min(budget, width)) & live
+    counts = torch.minimum(keep.sum(-1) + floors, live.sum(-1))  # [R, S]
+    keep = top_k_mask(scores.reshape(-1, width), counts.flatten(), at_most=min(at_most, width))
+    keep = keep.view(scores.shape) & live
     # The global pass left budget - sum(counts) unused where a stream had fewer
     # live entries than count + floor; hand it out again globally.
-    rest = torch.where(keep | ~live, float("-inf"), scores).reshape(1, -1)
-    extra = torch.minimum(budget - keep.sum(), (rest > float("-inf")).sum()).clamp(min=0)
-    return keep | top_k_mask(rest, extra.view(1), at_most=budget).view(streams, width)
+    rest = torch.where(keep | ~live, float("-inf"), scores).reshape(requests, -1)
+    budget = budgets if isinstance(budgets, int) else budgets.flatten()
+    extra = torch.minimum(budget - keep.sum((1, 2)), (rest > float("-inf")).sum(-1)).clamp(min=0)
+    return keep | top_k_mask(rest, extra, at_most=at_most).view(scores.shape)
 
 
 @dataclass
@@ -176,6 +194,18 @@ class GlobalAllocation(HeadAllocation):
     def token_counts(self, scores: torch.Tensor, total: int, num_layers: int = 1) -> torch.Tensor:
         floor = self.floor_tokens(total, scores.shape[0])
         return global_top_b(scores, total, floor).sum(-1)
+
+    splits_requests_together = True
+
+    def request_token_counts(
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int], num_layers: int = 1
+    ) -> torch.Tensor:
+        """:meth:`token_counts` of each request: one global top-B over each
+        request's streams, its floor from its own total."""
+        streams = scores.shape[1]
+        floors = torch.clamp(totals // max(streams, 1), max=self.floor)  # floor_tokens on the device
+        most = max(host_totals, default=0)
+        return global_top_b_many(scores, totals, floors, most, self.floor > 0 and most >= streams).sum(-1)
 
 
 def pyramid_layer_budgets(mean_tokens: float | torch.Tensor, num_layers: int, beta: float) -> list:
@@ -219,6 +249,23 @@ class PyramidAllocation(HeadAllocation):
         free = (total / streams - protected.mean().double()).clamp(min=0.0)
         budgets = torch.stack(pyramid_layer_budgets(free, num_layers, self.beta)).float()
         per_stream = budgets.repeat_interleave(streams // num_layers) + protected
+        return torch.minimum(per_stream.floor().long(), live)
+
+    splits_requests_together = True
+
+    def request_token_counts(
+        self, scores: torch.Tensor, totals: torch.Tensor, host_totals: list[int], num_layers: int = 1
+    ) -> torch.Tensor:
+        """:meth:`token_counts` of each request (``scores [R, L * H, S]``),
+        each request's pyramid from its own total and protected tokens."""
+        streams = scores.shape[1]
+        if streams % num_layers:
+            raise ValueError(f"{streams} streams do not split into {num_layers} layers")
+        live = (scores > float("-inf")).sum(-1)
+        protected = (scores == float("inf")).sum(-1).float()
+        free = (totals.double() / streams - protected.mean(-1, keepdim=True).double()).clamp(min=0.0)  # [R, 1]
+        budgets = torch.cat(pyramid_layer_budgets(free, num_layers, self.beta), dim=-1).float()  # [R, L]
+        per_stream = budgets.repeat_interleave(streams // num_layers, dim=-1) + protected
         return torch.minimum(per_stream.floor().long(), live)
 
 
@@ -329,10 +376,11 @@ def _round_to_pages_on_host(
 
 def allocate_request_tokens(
     allocation: HeadAllocation, scores: torch.Tensor, total_pages: torch.Tensor, floors: torch.Tensor,
-    host_pages: list[int], page_size: int,
+    host_pages: list[int], page_size: int, num_layers: int = 1,
 ) -> torch.Tensor:
-    """:func:`allocate_head_tokens` of ``R`` requests' layers at once
-    (``scores [R, H, S]``; request ``r`` filling ``total_pages[r]`` pages,
+    """:func:`allocate_head_tokens` of ``R`` requests at once (``scores
+    [R, H, S]``, ``H`` the streams of ``num_layers`` layers, layer-major;
+    request ``r`` filling ``total_pages[r]`` pages,
     ``[R, 1]`` on the device, ``host_pages`` the same on the host, each head
     keeping at least ``floors[r]`` tokens, the allocation's
     :meth:`~HeadAllocation.floor_tokens`; an allocation that
@@ -341,7 +389,9 @@ def allocate_request_tokens(
     live = (scores > float("-inf")).sum(-1)
     protected = (scores == float("inf")).sum(-1)
     min_tokens = torch.maximum(protected, torch.minimum(live, floors))
-    counts = allocation.request_token_counts(scores, total_pages * page_size, [p * page_size for p in host_pages])
+    counts = allocation.request_token_counts(
+        scores, total_pages * page_size, [p * page_size for p in host_pages], num_layers
+    )
     return round_to_pages(counts, live, min_tokens, total_pages, page_size)
 
 

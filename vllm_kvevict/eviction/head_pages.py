@@ -446,30 +446,37 @@ def compact_head_pages_many(
 
 
 def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
-    """Whether a layer's evictions run as one batch of every request: on a
-    cache that compacts in place (the device path's), for a policy that
-    scores from the window votes (``reads_window_votes``: SnapKV, H2O,
-    TOVA), where the cache computes the votes, and from each head's row of
-    tokens alone (``scores_rows_apart``: Knorm, KeyDiff; StreamingLLM and
-    random from their positions, no key or value read:
-    ``scores_positions_only``) or
-    with its request's window (``scores_stacked_requests``: Expected
-    Attention; MomentKV, with the votes, its rounds and its moments;
-    CriticalKV, its two stages and value factor; DefensiveKV), where
-    the cache reads tokens by address; that refines nothing, or refines a
-    request's rows apart from the others' (``scores_stacked_requests``);
-    split by an allocation that splits requests together (uniform, AdaKV);
+    """Whether a layer's evictions run as one batch of every request: where
+    the policy's scores of them come from one call (:func:`scores_together`),
+    split by an allocation that splits requests together (uniform, AdaKV),
     every request with moments to fold, or none."""
-    policy = rule.policy
-    votes, tokens = policy.reads_window_votes, reads_tokens(policy)
     return (
+        scores_together(cache, rule.policy)
+        and rule.allocation.splits_requests_together
+        and len({e.rows.moments is None for e in evictions}) == 1
+    )
+
+
+def scores_together(cache: CacheOps, policy: EvictionPolicy) -> bool:
+    """Whether ``policy`` scores (and refines) the requests of a batch in
+    one call on ``cache``, which must compact in place (the device path's):
+    a policy that scores from the window votes (``reads_window_votes``:
+    SnapKV, H2O, TOVA), where the cache computes the votes, and from each
+    head's row of tokens alone (``scores_rows_apart``: Knorm, KeyDiff;
+    StreamingLLM, random and the learned policy from their positions, no key
+    or value read: ``scores_positions_only``) or with its request's window
+    (``scores_stacked_requests``: Expected Attention; MomentKV, with the
+    votes, its rounds and its moments; CriticalKV, its two stages and value
+    factor; DefensiveKV), where the cache reads tokens by address; that
+    refines nothing, or refines a request's rows apart from the others'
+    (``scores_stacked_requests``)."""
+    votes, tokens = policy.reads_window_votes, reads_tokens(policy)
+    return bool(
         (votes or tokens)
         and (not votes or implements(cache, ScoresWindows))
         and (not tokens or implements(cache, ReadsTokens))
         and (not policy.refines or policy.scores_stacked_requests)
-        and rule.allocation.splits_requests_together
         and implements(cache, CompactsInPlace)
-        and len({e.rows.moments is None for e in evictions}) == 1
     )
 
 
@@ -573,11 +580,14 @@ class ScoredTokens:
     scores: torch.Tensor  # [R * H, S] the scores with the sinks, the recent window and padding marked
     inputs: ScoringInputs  # what the policy scored, [R * H] rows (its refinement reads them too)
 
+    log_beta: torch.Tensor | None = None  # [R * H, S] fp32 the tokens' log β, where the policy reads them
+
     @classmethod
     def score(
         cls, cache: CacheOps, rule: KeepRule, windows: Sequence[ScoringInputs], query_lens: torch.Tensor,
         pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, block_rows: torch.Tensor,
         starts: torch.Tensor, points: torch.Tensor, width: int, moments: EvictedMoments | None = None,
+        log_beta_pages: torch.Tensor | None = None,
     ) -> ScoredTokens | None:
         """Request ``r``'s tokens as :func:`live_tokens_many` finds them,
         scored by the policy (:func:`compacts_together`): from the votes of
@@ -587,8 +597,11 @@ class ScoredTokens:
         (:func:`reads_tokens`; ``scores_stacked_requests`` with every
         request's window, :class:`StackedWindows`, and its moments
         ``[R, H, ...]``); marked as :meth:`~EvictionPolicy.mask_scores`
-        marks them at each request's point. ``None`` when the policy raised
-        (the request-by-request path reports it and falls back)."""
+        marks them at each request's point. A policy of ``needs_log_beta``
+        (the learned one) reads each token's log β from ``log_beta_pages``
+        (one value per head-page slot, :func:`log_beta_at`) and its row's
+        point as ``step``. ``None`` when the policy raised (the
+        request-by-request path reports it and falls back)."""
         addresses, live, key_positions = live_tokens_many(
             pages, lens, positions, block_rows, starts, points, width, cache.block_size
         )
@@ -609,21 +622,26 @@ class ScoredTokens:
         stacked = None
         if policy.scores_stacked_requests and queries is not None:
             stacked = StackedWindows(queries, query_lens, points)
+        point_rows = points[:, None].expand(-1, live.shape[1]).reshape(-1, 1)
+        log_beta = None
+        if policy.needs_log_beta:
+            assert log_beta_pages is not None, f"policy {policy.name!r} scores with log_beta_pages"
+            log_beta = log_beta_at(log_beta_pages, addresses.flatten(0, 1), live.flatten(0, 1))
         together = ScoringInputs(
             keys, values, key_positions.flatten(0, 1), None, None, first.scale,
             evicted=moments.heads() if moments is not None else None, rotary=first.rotary,
             output_projection=first.output_projection, window_votes=votes, windows=stacked,
-            heads_per_request=live.shape[1],
+            heads_per_request=live.shape[1], log_beta=log_beta,
+            step=point_rows if log_beta is not None else None,
         )
         try:
             raw = policy.score(together).float()
         except Exception:
             return None
-        point_rows = points[:, None].expand(-1, live.shape[1]).reshape(-1, 1)
         scores = policy.mask_scores(
             raw, together, rule.sink_tokens, rule.recent_window, point_rows, live.flatten(0, 1)
         )
-        return cls(addresses, live, key_positions, raw, scores, together)
+        return cls(addresses, live, key_positions, raw, scores, together, log_beta)
 
     def refined(self, policy: EvictionPolicy, counts: torch.Tensor) -> torch.Tensor | None:
         """The scores the heads keep their ``counts [R, H]`` by: the
@@ -636,6 +654,13 @@ class ScoredTokens:
             return policy.refine_scores(self.inputs, self.scores, counts.flatten())
         except Exception:
             return None
+
+
+def log_beta_at(log_beta_pages: torch.Tensor, addresses: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The log β of the tokens at the flat ``addresses`` (``log_beta_pages
+    [num_head_pages, bs]``: one value per slot of every head-page, so a
+    token's sits at its flat address), fp32, 0 where ``live`` is false."""
+    return torch.where(live, log_beta_pages.reshape(-1)[addresses].float(), 0.0)
 
 
 def live_tokens_many(

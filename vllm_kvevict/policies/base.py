@@ -96,7 +96,9 @@ class ScoringInputs:
     rotary: RotaryFrequencies | None = None  # for policies with needs_rotary
     output_projection: torch.Tensor | None = None  # for needs_output_projection
     log_beta: torch.Tensor | None = None  # [H, S] fp32, for needs_log_beta
-    step: int | None = None  # the eviction point (tokens processed), for needs_log_beta
+    # The eviction point (tokens processed), for needs_log_beta: an int, or
+    # [rows, 1] each row's own where the rows are R requests' KV heads stacked.
+    step: int | torch.Tensor | None = None
     window_votes: torch.Tensor | None = None  # [H, S] fp32, for reads_window_votes
     reconstruction: torch.Tensor | None = None  # [H, S] fp32, for needs_reconstruction
     windows: StackedWindows | None = None  # R requests' windows, for scores_stacked_requests
@@ -203,8 +205,9 @@ class EvictionPolicy(ABC):
     (``heads_per_request``), so the rows of several requests can be scored as one
     layer of ``R * H`` heads."""
     scores_positions_only: ClassVar[bool] = False
-    """Scores from ``key_positions`` (and ``heads_per_request``) alone, never the keys
-    or values: an engine that scores rows apart may pass them with no
+    """Scores from ``key_positions`` (and ``heads_per_request``; the learned
+    policy also ``log_beta`` and ``step``, each row's own) alone, never the
+    keys or values: an engine that scores rows apart may pass them with no
     columns (``[rows, S, 0]``) instead of reading them."""
     scores_stacked_requests: ClassVar[bool] = False
     """Scores the KV heads of ``R`` requests stacked as one layer of ``R *

@@ -92,7 +92,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: int,
+def lookahead_log_score(log_beta: torch.Tensor, positions: torch.Tensor, step: int | torch.Tensor,
                         horizon: int = 1) -> torch.Tensor:
     """log of the lookahead score ("Make Each Token Count", §4.2): ``s = Σ_{k=1..horizon} β^(step + k - i)`` for a token at position
     ``i`` with retention β, scored at step ``step`` (the position of the token
@@ -132,6 +132,8 @@ class LearnedRetentionPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "learned"
     needs_log_beta: ClassVar[bool] = True
+    scores_rows_apart: ClassVar[bool] = True  # each row from its own log β, positions and step
+    scores_positions_only: ClassVar[bool] = True  # no key or value read
     global_scores: ClassVar[bool] = True
     default_head_budget: ClassVar[str] = "global"
 
