@@ -457,6 +457,12 @@ def test_head_pages_storage_resolution():
     with pytest.raises(KVEvictionConfigError, match="set moment_correction: true"):
         build_config({**base, "moment_covariance": "diagonal"})
     assert build_config({"policy": "momentkv", "moment_covariance": "none"}).moment_correction
+    # The pooled layers' ranking folds no evicted token: the correction is refused, not ignored.
+    for policy in ("layer_defensivekv", "learned"):
+        with pytest.raises(KVEvictionConfigError, match="drop moment_correction, or use head_budget 'adaptive'"):
+            build_config({"policy": policy, "moment_correction": True})
+    with pytest.raises(KVEvictionConfigError, match="head_budget 'pyramid' ranks every layer"):
+        build_config({"policy": "pyramidkv", "moment_correction": True})
 
 
 def test_head_pages_budget_must_hold_protected_tokens_in_whole_blocks():

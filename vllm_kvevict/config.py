@@ -127,7 +127,8 @@ class EvictionConfig(BaseModel):
         description="MomentKV correction: fold every evicted token into per-(layer, KV "
         "head) moment statistics (count, means, value-key covariance; fp32, "
         "(1 + 2D + D^2) x 4 bytes per head) and add their closed-form contribution "
-        "to every attention output (needs storage head_pages; default on for momentkv)",
+        "to every attention output (needs storage head_pages, and head_budget uniform or "
+        "adaptive: the pooled layers' ranking folds no evicted token; default on for momentkv)",
     )
     moment_covariance: Literal["full", "diagonal", "none"] = Field(
         "full",
@@ -212,6 +213,12 @@ class EvictionConfig(BaseModel):
                 f"head_budget 'global' ranks the tokens of every layer on one scale, which "
                 f"policy {self.policy!r} does not give; use head_budget 'adaptive' (per layer) "
                 "or policy 'learned' or 'layer_defensivekv'"
+            )
+        if self.head_budget == "global" and self.moment_correction:
+            raise ValueError(
+                "head_budget 'global' ranks every layer after the model's last layer and folds no "
+                "evicted token into moments, so moment_correction would correct nothing; drop "
+                "moment_correction, or use head_budget 'adaptive' for the correction"
             )
         if self.head_budget == "pyramid" and (
             self.moment_correction or policy.needs_rotary or policy.needs_output_projection
