@@ -370,3 +370,42 @@ def test_requests_stacked_score_and_refine_as_each_alone(seed):
         finite = torch.isfinite(want)
         torch.testing.assert_close(rows[finite], want[finite], rtol=1e-5, atol=1e-9)
         assert torch.equal(select_top(rows, counts[r]), select_top(want, counts[r]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_value_norm_shares_equal_a_position_by_position_sum(seed):
+    """Each token's value factor as a share of its position's KV heads
+    (heads that dropped the position counted at the mean of those holding
+    it), for requests stacked, heads holding random positions, some not
+    computed: against a loop over requests and positions in fp64."""
+    from vllm_kvevict.policies.defensivekv import value_norm_shares
+
+    gen = torch.Generator().manual_seed(seed + 1000 * int(torch.randint(0, 1000, ())))
+    requests, heads, width, group, dim = 3, 4, 40, 2, 8
+    values = torch.randn(requests * heads, width, dim, generator=gen)
+    projection = torch.randn(heads * group, dim, 12, generator=gen)
+    positions = torch.full((requests * heads, width), PADDING_POSITION, dtype=torch.int64)
+    tokens = torch.zeros(requests * heads, width, dtype=torch.bool)
+    for row in range(requests * heads):
+        held = int(torch.randint(0, width + 1, (1,), generator=gen))
+        positions[row, :held] = torch.randperm(60, generator=gen)[:held].sort().values
+        tokens[row, :held] = torch.rand(held, generator=gen) < 0.8
+    shares = value_norm_shares(values, projection, positions, tokens, requests)
+    for r in range(requests):
+        rows = range(r * heads, (r + 1) * heads)
+        per_head = {}
+        for row in rows:
+            h = row - r * heads
+            w = projection[h * group : (h + 1) * group].double()  # [G, D, d_model]
+            n = (values[row].double() @ w).abs().sum(-1).mean(0)  # [S]: ‖v W_O‖₁ averaged over the group
+            per_head[row] = n
+        for row in rows:
+            for i in range(width):
+                if not tokens[row, i]:
+                    assert shares[row, i] == 0
+                    continue
+                p = int(positions[row, i])
+                holding = [(o, j) for o in rows for j in range(width) if tokens[o, j] and positions[o, j] == p]
+                total = sum(float(per_head[o][j]) for o, j in holding) * heads / len(holding)
+                want = float(per_head[row][i]) / total if total > 0 else 0.0
+                assert math.isclose(float(shares[row, i]), want, rel_tol=1e-4, abs_tol=1e-7), (r, row, i)

@@ -71,23 +71,31 @@ def value_norm_shares(
     Where some heads no longer hold the position (evicted earlier), the sum
     is ``H`` times the mean over those that do. Only ``tokens [H, S]`` (bool)
     are computed; the rest are 0. ``requests`` > 1: the rows are that many
-    requests' ``H`` heads stacked, each request's positions its own."""
+    requests' ``H`` heads stacked, each request's positions its own.
+
+    The heads holding a position are found by one stable sort of each
+    request's positions (its ``H * S`` entries, equal positions adjacent in
+    head order), summed per run of equal positions: fixed sizes, nothing
+    read back."""
     num_heads = positions.shape[0] // requests
     norms = projected_value_norms(
         values.unflatten(0, (requests, num_heads)), output_projection, tokens.unflatten(0, (requests, num_heads))
     ).flatten(0, 1)
-    keys = positions
-    if requests > 1:  # request r's positions apart from the others': r * 2^41 + position
-        request = torch.arange(requests, device=positions.device).repeat_interleave(num_heads)
-        keys = positions + (request * (2 * PADDING_POSITION))[:, None]
-    unique, index = torch.unique(keys[tokens], return_inverse=True)
-    totals = torch.zeros(unique.numel(), dtype=norms.dtype, device=norms.device)
-    totals.index_add_(0, index, norms[tokens])
-    holders = torch.zeros_like(totals).index_add_(0, index, torch.ones_like(norms[tokens]))
-    sums = (totals * (num_heads / holders))[index]
-    shares = torch.zeros_like(norms)
-    shares[tokens] = torch.where(sums > 0, norms[tokens] / sums.clamp(min=torch.finfo(sums.dtype).tiny), 0.0)
-    return shares
+    # Each request's entries as one row, those not computed after every position.
+    keys = torch.where(tokens, positions, PADDING_POSITION).view(requests, -1)
+    order = keys.argsort(dim=-1, stable=True)
+    ordered = keys.gather(-1, order)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run = starts.cumsum(-1) - 1  # each sorted entry's run of equal positions
+    held = tokens.view(requests, -1).gather(-1, order)
+    totals = torch.zeros(keys.shape, dtype=norms.dtype, device=norms.device).scatter_add_(
+        -1, run, torch.where(held, norms.view(requests, -1).gather(-1, order), 0.0)
+    )
+    holders = torch.zeros_like(totals).scatter_add_(-1, run, held.to(totals.dtype))
+    sums = (totals * (num_heads / holders.clamp(min=1))).gather(-1, run)
+    sums = torch.empty_like(sums).scatter_(-1, order, sums).view_as(norms)  # back in the entries' order
+    return torch.where(tokens & (sums > 0), norms / sums.clamp(min=torch.finfo(sums.dtype).tiny), 0.0)
 
 
 @dataclass
