@@ -14,8 +14,10 @@ window-score kernel's votes of the last query, KeyDiff and Expected Attention
 from the tokens read by address, each scored as one batch of the step's
 requests), MomentKV (the correction on), CriticalKV on Expected Attention
 (its two stages and value factor for the step's requests at once),
-DefensiveKV (the step's requests' windows stacked) and the
-learned policy (global eviction, with seeded random gates) on the tiny
+DefensiveKV (the step's requests' windows stacked), and the pooled
+layers' ranking of every layer at once, batched over the step's requests
+and layers: the learned policy (global eviction, with seeded random gates),
+Layer-DefensiveKV (global) and PyramidKV (its layer budgets), on the tiny
 random Llama. Every run is in the
 isolation check's poison mode: no attention output holds NaN, and blocks went
 back to vLLM's pool during the requests.
@@ -60,6 +62,8 @@ CASES = {
     "criticalkv": {"policy": "criticalkv", **EVICTION},  # AdaKV head pages, Expected Attention's base
     "defensivekv": {"policy": "defensivekv", **EVICTION},  # AdaKV head pages
     "learned-global": {"policy": "learned", **EVICTION, "policy_options": {"gates": GATES}},
+    "layer-defensivekv": {"policy": "layer_defensivekv", **EVICTION},  # every layer ranked together (global)
+    "pyramidkv": {"policy": "pyramidkv", **EVICTION},  # PyramidKV's layer budgets
 }
 KERNELS = ("native", "triton")
 # Served by the CUDA backend's classes on CPU (vLLM's CPU platform resolves
