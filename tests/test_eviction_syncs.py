@@ -28,7 +28,7 @@ from vllm_kvevict.eviction.allocation import (
 )
 from vllm_kvevict.eviction.cache_ops import EvictionObserver
 from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
-from vllm_kvevict.eviction.head_pages import compact_head_pages, compact_head_pages_many
+from vllm_kvevict.eviction.head_pages import compact_head_pages, compact_head_pages_many, compact_layers_many
 from vllm_kvevict.eviction.host_reads import HostReads, count_host_reads
 from vllm_kvevict.eviction.point import (
     EvictionPoint, LayerEviction, ObservationRows, StreamRows, observation_queries, observation_queries_many,
@@ -159,18 +159,28 @@ class Requests:
         ring, and the step's one query."""
         return observation_queries(self.rings[r], self.queries, ev)
 
-    def scoring_inputs(self, r: int, ev: EvictionPoint, window=None):
-        """Request ``r``'s inputs at ``ev``: its observation queries (``window``,
-        or gathered for it alone)."""
-        queries, query_positions = window if window is not None else self.observation(r, ev)
+    def scoring_inputs(self, r: int, ev: EvictionPoint, window=None, layer: int = 0):
+        """Request ``r``'s inputs at ``ev`` in ``layer``: its observation
+        queries (``window``, or gathered for it alone) and the layer's
+        output projection."""
+        if window is None:
+            window = observation_queries(self.layer_rings[layer][r], self.layer_queries[layer], ev)
+        queries, query_positions = window
 
         def inputs(keys, values, positions, evicted):
             return ScoringInputs(
                 keys, values, positions, queries, query_positions, DIM**-0.5, evicted, rotary=ROPE,
-                output_projection=self.projection,
+                output_projection=self.projections[layer],
             )
 
         return inputs
+
+    def layer_cache(self, layer: int) -> TritonPagedCache:
+        """Layer ``layer``'s own cache: its blocks of the pool."""
+        blocks = slice(layer * self.blocks_per_layer, (layer + 1) * self.blocks_per_layer)
+        return TritonPagedCache(
+            self.cache.kv_cache[blocks], compaction=self._compaction, window_scores=self._window_scores
+        )
 
     def observation_rows(self, point: int, last: int) -> ObservationRows:
         """Where every request's window is at ``point``: found once per step
@@ -261,11 +271,41 @@ def global_step(num_requests: int, num_heads: int, allocation, name: str) -> Hos
     return reads
 
 
+def layers_step(num_requests: int, num_heads: int, name: str) -> HostReads:
+    """Three layers' evictions at the step's end as one batch on the pool
+    (the backend hands the compacted lengths, read once per step)."""
+    requests = Requests(num_requests, num_heads, layers=3, moments=make_policy(name).needs_moments)
+    rule = KeepRule(make_policy(name), AdaKVAllocation(0.2), SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def evictions(point: int, last: int, layer: int) -> list[LayerEviction]:
+        evs = [requests.point(r, point, last) for r in range(num_requests)]
+        return [
+            LayerEviction(ev, requests.rows[r][layer], requests.block_rows[r], requests.scoring_inputs(r, ev, layer=layer))
+            for r, ev in enumerate(evs)
+        ]
+
+    for layer in range(3):
+        compact_head_pages_many(requests.layer_cache(layer), rule, evictions(FIRST, 0, layer), layer, observer)
+    batch = [e for layer in range(3) for e in evictions(SECOND, FIRST, layer)]  # the windows: in each forward
+    layers = [layer for layer in range(3) for _ in range(num_requests)]
+    lengths = [e.rows.lens.tolist() for e in batch]
+    with count_host_reads() as reads, value_norms_kernel(requests):
+        requests.reads = reads
+        kept = compact_layers_many(
+            requests.cache, rule, batch, layers, [requests.offsets[layer] for layer in layers], observer, lengths
+        )
+    assert kept is not None
+    return reads
+
+
 # case: (its eviction step, the engine's host reads per call). Head pages with
 # SnapKV: the selection's read, the counts read back (the test does not pass
 # them), and one copy of the requests' points, budgets and window sizes to
 # the device; slots with SnapKV: the copy and the selection's read; the
-# pooled layers (global pages) the same three for every request and layer. SnapKV
+# pooled layers (global pages) the same three for every request and layer;
+# every layer's evictions at the step's end the copy and the selection's
+# read for every request and layer (the backend passes the lengths). SnapKV
 # then reads nothing: the window-score kernel votes (TOVA's from the last
 # query); KeyDiff's keys are read by address in one gather.
 CASES = {
@@ -286,6 +326,11 @@ CASES = {
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "defensivekv"), 3
     ),
     "slots, SnapKV": (slots_step, 2),
+    "head_pages, 3 layers at the step's end, AdaKV + SnapKV": (lambda r, h: layers_step(r, h, "snapkv"), 2),
+    "head_pages, 3 layers at the step's end, MomentKV": (lambda r, h: layers_step(r, h, "momentkv"), 2),
+    "head_pages, 3 layers at the step's end, AdaKV + DefensiveKV": (
+        lambda r, h: layers_step(r, h, "defensivekv"), 2
+    ),
     "global pages, learned (global)": (lambda r, h: global_step(r, h, GlobalAllocation(), "learned"), 3),
     "global pages, PyramidKV": (lambda r, h: global_step(r, h, PyramidAllocation(2.0), "pyramidkv"), 3),
     "global pages, Layer-DefensiveKV": (
@@ -455,16 +500,18 @@ def test_requests_at_their_own_points_and_budgets_keep_what_each_keeps_alone(all
                     assert torch.equal(got, want)
 
 
-def kept_tokens(requests: Requests) -> list[torch.Tensor]:
+def kept_tokens(requests: Requests, pooled: bool = True) -> list[torch.Tensor]:
     """Each stream's compacted tokens, read through its page table (what
     attention reads: the rest of a last page, and the blocks freed, are
     zeroed by the request-by-request write and left as they were by the
-    compaction kernel)."""
+    compaction kernel): of the pool's head-pages (``pooled``), or of each
+    layer's own."""
     kept = []
     for layers in requests.rows:
-        for rows in layers:
+        for layer, rows in enumerate(layers):
+            cache = requests.cache if pooled else requests.layer_cache(layer)
             for lens, pages in zip(rows.lens.tolist(), rows.pages.tolist()):
-                keys, values = requests.cache.read_pages(torch.tensor(pages[: -(-lens // BLOCK)]), lens)
+                keys, values = cache.read_pages(torch.tensor(pages[: -(-lens // BLOCK)]), lens)
                 kept.append(torch.cat([keys, values], dim=-1))
     return kept
 
@@ -543,6 +590,78 @@ def test_pooled_requests_at_their_own_points_and_budgets_keep_what_each_keeps_al
             assert torch.equal(a.lens, b.lens)
         differ |= len({tuple(rows.lens.tolist()) for rows in rows_together}) > 1
     assert differ  # the layers keep different numbers of tokens
+
+
+@pytest.mark.parametrize(
+    "policy", ["snapkv", "expected_attention", "momentkv", "criticalkv", "defensivekv", "keydiff", "tova"]
+)
+def test_every_layers_evictions_at_a_steps_end_keep_what_each_layer_keeps(policy: str) -> None:
+    """A step's evictions of every layer, run as one batch after the last
+    layer on the pool of every layer's blocks (each request at its own point
+    and budget, each layer with its own window and output projection, its
+    moments where the policy folds them), keep, write and record what each
+    layer's own batch on its own cache keeps: the same counts, page tables
+    (in the layer's own block ids), positions, kept tokens and moments, in
+    one compaction launch for every layer."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    budgets = [48, 64, 96, 64]
+    firsts = [int(torch.randint(96, 160, (), generator=gen)) for _ in budgets]
+    seconds = [first + int(torch.randint(8, 80, (), generator=gen)) for first in firsts]
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    rules = KeepRule(make_policy(policy), AdaKVAllocation(0.2), SINKS, RECENT)
+    moments = rules.policy.needs_moments
+    together, apart = (Requests(len(budgets), 3, layers=3, seed=seed, moments=moments) for _ in range(2))
+    observer = EvictionObserver()
+
+    def evictions(requests: Requests, layer: int, step: list[tuple[int, int, int]]) -> list[LayerEviction]:
+        cut = lambda r, p: (p - budgets[r]) // BLOCK * BLOCK if p else 0  # noqa: E731
+        points = [
+            EvictionPoint(f"r{r}", r, r, r, at - 1, last, cut(r, last), at, cut(r, at), at, compacts=True,
+                          region_start=last)
+            for r, at, last in step
+        ]
+        return [
+            LayerEviction(ev, requests.rows[ev.state_row][layer], requests.block_rows[ev.state_row],
+                          requests.scoring_inputs(ev.state_row, ev, layer=layer))
+            for ev in points
+        ]
+
+    steps = [
+        [(r, firsts[r], 0) for r in range(4)],
+        [(0, seconds[0], firsts[0]), (2, seconds[2], firsts[2]), (3, seconds[3], firsts[3])],
+    ]
+    for step in steps:
+        batch = [e for layer in range(3) for e in evictions(together, layer, step)]
+        layers = [layer for layer in range(3) for _ in step]
+        lengths = [e.rows.lens.tolist() for e in batch]
+        with count_host_reads() as reads, value_norms_kernel(together):
+            together.reads = reads
+            kept = compact_layers_many(
+                together.cache, rules, batch, layers, [together.offsets[layer] for layer in layers], observer,
+                lengths,
+            )
+        together.reads = None
+        assert kept is not None
+        assert reads.launches(lambda site: site.startswith("compact_head_pages")) == 1, reads.table()
+        want = [
+            counts for layer in range(3)
+            for counts in compact_head_pages_many(apart.layer_cache(layer), rules, evictions(apart, layer, step),
+                                                  layer, observer)
+        ]
+        assert [k.tolist() for k in kept] == [w.tolist() for w in want]
+    assert all(torch.equal(a, b) for a, b in zip(kept_tokens(together, False), kept_tokens(apart, False)))
+    differ = False
+    for rows_together, rows_apart in zip(together.rows, apart.rows):
+        for a, b in zip(rows_together, rows_apart):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.pages, b.pages)
+            assert torch.equal(a.lens, b.lens)
+            assert int(a.pages.max()) < together.blocks_per_layer * together.num_heads  # the layer's own ids
+            if a.moments is not None:
+                assert bool(a.moments.count.gt(0).any())
+                for got, expected in zip(a.moments._buffers(), b.moments._buffers()):
+                    assert torch.equal(got, expected)
+        differ |= len({tuple(rows.positions.flatten().tolist()) for rows in rows_together}) > 1
+    assert differ  # the layers keep different tokens
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "random", "keydiff"])

@@ -388,7 +388,7 @@ def compact_head_pages_many(
     if lengths is None:
         lengths = torch.stack([e.rows.lens for e in evictions]).tolist() if evictions else []
     if evictions and compacts_together(cache, rule, evictions):
-        together = _compact_together(cache, rule, evictions, layer, observer, lengths)
+        together = _compact_together(cache, rule, evictions, [layer] * len(evictions), observer, lengths)
         if together is not None:
             return together
     gathered: list[tuple[LiveTokens, torch.Tensor, int]] = []
@@ -445,6 +445,29 @@ def compact_head_pages_many(
     return [counts for counts, _ in chosen]
 
 
+def compact_layers_many(
+    cache: CacheOps,
+    rule: KeepRule,
+    evictions: Sequence[LayerEviction],
+    layers: Sequence[int],
+    offsets: Sequence[int],
+    observer: EvictionObserver,
+    lengths: Sequence[Sequence[int]],
+) -> list[torch.Tensor] | None:
+    """The evictions of several layers (each eviction's ``layers``, a
+    layer's adjacent) as one batch on ``cache``, the pool of every layer's
+    blocks (``offsets``: where each eviction's layer's blocks start in it),
+    as :func:`compact_head_pages_many` would evict each layer: the step's
+    evictions at its end, when no token of the step attends after them.
+    ``lengths``: each eviction's compacted tokens per head. Returns each
+    eviction's kept tokens per head; ``None``, having written nothing, where
+    they do not run as one batch (:func:`compacts_together`) or a selection
+    must fall back, and the caller evicts layer by layer."""
+    if not evictions or not compacts_together(cache, rule, evictions):
+        return None
+    return _compact_together(cache, rule, evictions, layers, observer, lengths, offsets)
+
+
 def compacts_together(cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction]) -> bool:
     """Whether a layer's evictions run as one batch of every request: where
     the policy's scores of them come from one call (:func:`scores_together`),
@@ -490,9 +513,10 @@ def _compact_together(
     cache: CacheOps,
     rule: KeepRule,
     evictions: Sequence[LayerEviction],
-    layer: int,
+    layers: Sequence[int],
     observer: EvictionObserver,
     lengths: Sequence[Sequence[int]],
+    offsets: Sequence[int] | None = None,
 ) -> list[torch.Tensor] | None:
     """:func:`compact_head_pages_many` for every request at once: the
     requests' token addresses padded to the longest (``[R, H, S]``), one
@@ -508,8 +532,16 @@ def _compact_together(
     keeps, a policy that raised), and the caller evicts request by request,
     which reports and handles it. Besides the host-sized uploads, the work
     per request is the backend's scoring inputs (its observation queries)
-    and the stacking of its rows."""
-    bs, num_heads = cache.block_size, cache.num_heads
+    and the stacking of its rows.
+
+    ``layers``: each eviction's layer. With ``offsets`` (where each
+    eviction's layer's blocks start in ``cache``, then a pool of every
+    layer's blocks) the evictions of several layers run as one batch, the
+    evictions of a layer adjacent: the tokens are addressed and moved in the
+    pool, the page tables written in the layer's own block ids, and each run
+    of evictions with model parts of their own (a layer's output projection,
+    its RoPE: the scoring inputs' objects) is scored in a call of its own."""
+    bs, num_heads, policy = cache.block_size, cache.num_heads, rule.policy
     points = [e.ev.point for e in evictions]
     starts = [max(e.ev.region_start, e.ev.protected_prefix) for e in evictions]
     width = max(max(n, default=0) + p - a for n, p, a in zip(lengths, points, starts))
@@ -523,15 +555,36 @@ def _compact_together(
     positions = torch.stack([r.positions for r in rows])  # [R, H, C]
     block_rows = torch.stack([e.block_row for e in evictions])  # [R, NB]
     device = pages.device
-    windows = window_inputs(evictions, device, rule.policy)
+    windows = window_inputs(evictions, device, policy)
+    in_pool = offsets is not None and any(offsets)
     host = torch.tensor(
-        [starts, points, first_kept, kept_blocks, total_pages, floors, window_sizes(windows)], dtype=torch.int64
+        [starts, points, first_kept, kept_blocks, total_pages, floors, window_sizes(windows)]
+        + ([list(offsets)] if in_pool else []),  # type: ignore[arg-type]
+        dtype=torch.int64,
     ).to(device)
+    pool_pages, pool_block_rows = pages, block_rows
+    if in_pool:  # the layers' own ids, as the pool names them
+        pool_block_rows = block_rows.long() + host[7][:, None]
+        pool_pages = pages + (host[7] * num_heads)[:, None, None]
     moments = EvictedMoments.stack([r.moments for r in rows]) if rows[0].moments is not None else None  # type: ignore[misc]
-    voted = ScoredTokens.score(cache, rule, windows, host[6], pages, lens, positions, block_rows, host[0], host[1],
-                               width, moments)
-    if voted is None:
-        return None
+    # One scoring call, or one per run of evictions that share the model parts
+    # the policy scores with (a layer's output projection; its RoPE).
+    cuts = [
+        i for i in range(1, len(windows))
+        if policy.needs_output_projection and windows[i].output_projection is not windows[i - 1].output_projection
+        or policy.needs_rotary and windows[i].rotary is not windows[i - 1].rotary
+    ]
+    runs = [slice(a, b) for a, b in zip([0, *cuts], [*cuts, len(windows)])]
+    scored = []
+    for run in runs:
+        group = ScoredTokens.score(
+            cache, rule, windows[run], host[6][run], pool_pages[run], lens[run], positions[run],
+            pool_block_rows[run], host[0][run], host[1][run], width, moments[run] if moments is not None else None,
+        )
+        if group is None:
+            return None
+        scored.append(group)
+    voted = scored[0] if len(scored) == 1 else ScoredTokens.cat(scored)
     num_requests = len(evictions)
     counts = allocate_request_tokens(
         rule.allocation, voted.scores.view(num_requests, num_heads, width), host[4][:, None], host[5][:, None],
@@ -541,14 +594,19 @@ def _compact_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
     if checks[0] or any(n > total for n, total in zip(checks[1:], total_pages)):
         return None
-    scores = voted.refined(rule.policy, counts)
-    if scores is None:
+    refined = [group.refined(policy, counts[run]) for group, run in zip(scored, runs)]
+    if any(scores is None for scores in refined):
         return None
+    scores = refined[0] if len(refined) == 1 else torch.cat(refined)  # type: ignore[arg-type]
     kept = select_top(scores, counts.flatten(), width=min(width, max(total_pages) * bs))
     kept = kept.unflatten(0, (num_requests, num_heads))
     free_pages = _kept_head_pages(block_rows, host[2], host[3], max(kept_blocks), num_heads)
     page_table = page_tables(free_pages, counts, bs, pages.shape[-1])
-    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, page_table, moments)  # type: ignore[attr-defined]
+    pool_free_pages, pool_table = free_pages, page_table
+    if in_pool:
+        pool_free_pages = _kept_head_pages(pool_block_rows, host[2], host[3], max(kept_blocks), num_heads)
+        pool_table = page_tables(pool_free_pages, counts, bs, pages.shape[-1])
+    cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, pool_table, moments)  # type: ignore[attr-defined]
     if moments is not None:
         moments.unstack_into([r.moments for r in rows])  # type: ignore[misc]
     # The side buffers: each request's rows are views of its own, one copy for all.
@@ -562,8 +620,9 @@ def _compact_together(
         ev, block = eviction.ev, eviction.ev.point // bs
         observer.released(cache, Released(
             freed_blocks=eviction.block_row[ev.frontier_before // bs : ev.frontier_after // bs],
-            layer=layer, free_pages=free_pages[r, : total_pages[r]], counts=counts[r], page_size=bs,
+            layer=layers[r], free_pages=pool_free_pages[r, : total_pages[r]], counts=counts[r], page_size=bs,
             point_block=eviction.block_row[block : block + 1], point_slots=ev.point % bs,
+            block_offsets=(offsets[r] if offsets is not None else 0,),
         ))
     return list(counts.unbind(0))
 
@@ -642,6 +701,19 @@ class ScoredTokens:
             raw, together, rule.sink_tokens, rule.recent_window, point_rows, live.flatten(0, 1)
         )
         return cls(addresses, live, key_positions, raw, scores, together, log_beta)
+
+    @classmethod
+    def cat(cls, groups: Sequence[ScoredTokens]) -> ScoredTokens:
+        """Groups of requests scored apart (each layer's, where the policy
+        scores with the layer's model parts), as one: their requests in
+        order; ``inputs`` the first group's (refine each group with its own)."""
+        def cat(field: str) -> torch.Tensor:
+            return torch.cat([getattr(group, field) for group in groups])
+
+        log_beta = cat("log_beta") if groups[0].log_beta is not None else None
+        return cls(
+            cat("addresses"), cat("live"), cat("positions"), cat("raw"), cat("scores"), groups[0].inputs, log_beta
+        )
 
     def refined(self, policy: EvictionPolicy, counts: torch.Tensor) -> torch.Tensor | None:
         """The scores the heads keep their ``counts [R, H]`` by: the

@@ -28,7 +28,9 @@ from vllm.v1.attention.backend import AttentionLayer
 
 from vllm_kvevict.eviction.cache_ops import CacheOps
 from vllm_kvevict.eviction.global_pages import PooledEviction, compact_global_many
-from vllm_kvevict.eviction.head_pages import block_head_pages, compact_head_pages_many
+from vllm_kvevict.eviction.head_pages import (
+    block_head_pages, compact_head_pages_many, compact_layers_many, compacts_together,
+)
 from vllm_kvevict.eviction.point import (
     EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries_many,
     observation_rows,
@@ -208,9 +210,12 @@ class EvictingImpl:
                         state.observe_head_retained(counts)
             else:
                 lengths = plan.compacted_lengths(layer_index, wave_index)
-                kept = compact_head_pages_many(cache, plan.rule, evictions, layer_index, plan.observer, lengths)
-                for ev, counts in zip(wave, kept):
-                    state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
+                if self._defers(plan, layer_index, kv_cache, cache, evictions):
+                    plan.deferred.append((layer_index, cache, evictions, lengths))  # type: ignore[arg-type]
+                else:
+                    kept = compact_head_pages_many(cache, plan.rule, evictions, layer_index, plan.observer, lengths)
+                    for ev, counts in zip(wave, kept):
+                        state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
             plan.eviction_seconds += time.perf_counter() - started
             for ev in wave:
                 if ev.segment_end > ev.point:
@@ -218,6 +223,10 @@ class EvictingImpl:
         if plan.storage == "global" and layer_index == state.num_layers - 1:
             started = time.perf_counter()
             self._compact_global(plan)
+            plan.eviction_seconds += time.perf_counter() - started
+        if plan.deferred and layer_index == state.num_layers - 1:
+            started = time.perf_counter()
+            self._compact_deferred(plan)
             plan.eviction_seconds += time.perf_counter() - started
         plan.observer.layer_finished(output[:num_tokens])
         if layer_index == len(plan.layer_index) - 1:
@@ -228,6 +237,68 @@ class EvictingImpl:
                 0, plan.ring_slots, query[plan.ring_tokens].to(ring.dtype)
             )
         return output
+
+    def _defers(
+        self, plan: EvictionStepPlan, layer_index: int, kv_cache: torch.Tensor, cache: CacheOps,
+        evictions: list[LayerEviction],
+    ) -> bool:
+        """Whether this layer's evictions wait for the step's last layer, to
+        run there as one batch of every layer (:meth:`_compact_deferred`):
+        decided at the step's first evicting layer, where every compacting
+        point is at the step's end (no token of the step attends after it,
+        so a layer may evict after the later layers ran), the batch would
+        take the layer's evictions (``compacts_together``: the device path),
+        and every layer's cache lies in one pool of blocks."""
+        state = plan.state
+        if plan.defers_to_step_end is None:
+            waves = plan.waves
+            plan.defers_to_step_end = (
+                layer_index < state.num_layers - 1
+                and len(waves) == 1
+                and all(ev.segment_end == ev.point for ev in waves[0] if ev.compacts)
+                and compacts_together(cache, plan.rule, evictions)
+            )
+        if not plan.defers_to_step_end:
+            return False
+        before = state.global_cache
+        pool, offset = state.pool_view(layer_index, kv_cache)
+        if pool is None or (plan.deferred and pool is not before):
+            plan.defers_to_step_end = False  # not one pool: the layers waiting evict now, this one in place
+            self._compact_deferred(plan, together=False)
+            return False
+        plan.deferred_offsets.append(offset)
+        return True
+
+    def _compact_deferred(self, plan: EvictionStepPlan, together: bool = True) -> None:
+        """The evictions that waited for the last layer, every layer's as one
+        batch on the pool of every layer's blocks
+        (:func:`~vllm_kvevict.eviction.head_pages.compact_layers_many`), or
+        layer by layer where they do not run as one (or not ``together``)."""
+        state, deferred, layer_offsets = plan.state, plan.deferred, plan.deferred_offsets
+        plan.deferred, plan.deferred_offsets = [], []
+        if not deferred:
+            return
+        evictions = [e for _, _, layer_evictions, _ in deferred for e in layer_evictions]
+        layers = [layer_index for layer_index, _, layer_evictions, _ in deferred for _ in layer_evictions]
+        kept = None
+        if together and state.global_cache is not None:
+            lengths = [n for _, _, _, layer_lengths in deferred for n in layer_lengths]
+            offsets = [o for o, (_, _, layer_evictions, _) in zip(layer_offsets, deferred) for _ in layer_evictions]
+            kept = compact_layers_many(
+                self.kernels.pool_cache(state.global_cache, plan), plan.rule, evictions, layers, offsets,
+                plan.observer, lengths,
+            )
+        if kept is None:
+            kept = [
+                counts
+                for layer_index, cache, layer_evictions, layer_lengths in deferred
+                for counts in compact_head_pages_many(
+                    cache, plan.rule, layer_evictions, layer_index, plan.observer, layer_lengths
+                )
+            ]
+        for eviction, layer_index, counts in zip(evictions, layers, kept):
+            ev = eviction.ev
+            state.record_compaction(ev.request_id, ev.point, ev.frontier_after, layer_index, counts)
 
     def _observations(
         self, plan: EvictionStepPlan, layer_index: int, wave_index: int, wave: list[EvictionPoint],

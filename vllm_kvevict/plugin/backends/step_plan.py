@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.config import EvictionConfig, KVEvictionConfigError, config_from_additional
-from vllm_kvevict.eviction.point import EvictionPoint, ObservationRows
+from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ObservationRows
 from vllm_kvevict.eviction.select import KeepRule
 from vllm_kvevict.metrics import WORKER_METRICS, ProcessMetrics
 from vllm_kvevict.schedule import EvictionSchedule
@@ -137,6 +137,13 @@ class EvictionStepPlan:
     # Where each wave's observation queries are (key: the wave, or -1 for the
     # pooled layers' last compacting points), found at the first layer.
     observation_rows: dict[int, ObservationRows] = field(default_factory=dict)
+    # head_pages on a cache that compacts in place, every point at the step's
+    # end: whether each layer's evictions wait for the last layer, to run as
+    # one batch of every layer (decided at the first layer), and those waiting:
+    # (layer index, the layer's cache, its evictions, their compacted lengths).
+    defers_to_step_end: bool | None = None
+    deferred: list[tuple[int, Any, list[LayerEviction], list[list[int]]]] = field(default_factory=list)
+    deferred_offsets: list[int] = field(default_factory=list)  # each waiting layer's blocks in the pool
     _device_lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _first_lengths: list[list[list[int]]] | None = None
 

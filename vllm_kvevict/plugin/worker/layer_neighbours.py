@@ -138,12 +138,25 @@ def resolve_model_parts(model: torch.nn.Module, vllm_config: Any) -> None:
     model_config = vllm_config.model_config
     head_size = model_config.get_head_size()
     num_q_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+    rotaries: list[RotaryFrequencies] = []  # one object per distinct RoPE: the layers sharing it score together
     for name, neighbours in find_layer_neighbours(model).items():
+        rotary = rotary_frequencies(neighbours, name, head_size) if policy.needs_rotary else None
+        if rotary is not None:
+            rotary = next((same for same in rotaries if _same_rotary(same, rotary)), rotary)
+            if rotary not in rotaries:
+                rotaries.append(rotary)
         _model_parts[name] = ModelParts(
-            rotary_frequencies(neighbours, name, head_size) if policy.needs_rotary else None,
+            rotary,
             output_projection_slices(neighbours, name, num_q_heads, head_size)
             if policy.needs_output_projection else None,
         )
+
+
+def _same_rotary(a: RotaryFrequencies, b: RotaryFrequencies) -> bool:
+    return (
+        a.neox == b.neox and a.attention_scaling == b.attention_scaling
+        and a.inv_freq.shape == b.inv_freq.shape and bool(torch.equal(a.inv_freq, b.inv_freq.to(a.inv_freq.device)))
+    )
 
 
 def model_parts(layer_name: str) -> ModelParts:

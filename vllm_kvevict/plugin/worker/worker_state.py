@@ -116,6 +116,7 @@ class WorkerEvictionState:
         # and the log β of every cached token, one fp32 per head-page slot.
         self.global_cache: torch.Tensor | None = None  # [total_blocks, H, 2 * bs, D]
         self.layer_block_offset: dict[int, int] = {}
+        self._log_beta_pool: int | None = None  # the pool (its storage) the log β pages were zeroed for
         self.log_beta_pages = torch.empty(0, dtype=LOG_BETA_DTYPE)  # [total_blocks * H, bs]
         # Per request: (point, frontier, head_lens [L, H]) of its last compaction;
         # kept for the last few finished requests (tests and tools).
@@ -224,27 +225,18 @@ class WorkerEvictionState:
     def global_kv(
         self, layer_index: int, kv_cache: torch.Tensor, block_size: int
     ) -> tuple[torch.Tensor, int]:
-        """Every layer's cache as one tensor of blocks, and where layer ``layer_index``'s start.
-
-        vLLM 0.32 places all layers in one allocation (``allocate_kv_cache``),
-        each a dense ``[num_blocks, ...]`` view (the backend's view of a
-        block, ``H`` head-pages of ``block_size`` tokens) at its own offset,
-        so block ``b`` of that layer is block ``offset + b`` of the whole.
-        """
-        num_blocks, num_heads = kv_cache.shape[:2]
-        block_elems = kv_cache[0].numel()
-        offset = kv_cache.storage_offset()
-        if not kv_cache.is_contiguous() or offset % block_elems:
+        """Every layer's cache as one tensor of blocks (:meth:`pool_view`),
+        and where layer ``layer_index``'s start, with the pooled layers' log
+        β pages sized to it (zeroed when the pool is new)."""
+        whole, offset = self.pool_view(layer_index, kv_cache)
+        if whole is None:
             raise RuntimeError(
                 "head_budget 'global' or 'pyramid' needs every layer's KV cache as a dense view of one "
                 "allocation at a whole-block offset; this vLLM build lays it out otherwise"
             )
-        storage = kv_cache.untyped_storage()
-        if self.global_cache is None or self.global_cache.untyped_storage().data_ptr() != storage.data_ptr():
-            total = storage.nbytes() // kv_cache.element_size() // block_elems
-            flat = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-            flat.set_(storage, 0, (total * block_elems,))
-            self.global_cache = flat.view(total, *kv_cache.shape[1:])
+        if self._log_beta_pool != whole.untyped_storage().data_ptr():
+            self._log_beta_pool = whole.untyped_storage().data_ptr()
+            num_heads, total = kv_cache.shape[1], whole.shape[0]
             if tuple(self.log_beta_pages.shape) == (total * num_heads, block_size):
                 self.log_beta_pages.zero_()  # reserved at start-up for this pool
             else:
@@ -253,6 +245,27 @@ class WorkerEvictionState:
                     total * num_heads, block_size, dtype=LOG_BETA_DTYPE, device=kv_cache.device
                 )
                 self._count_side_buffers()
+        return whole, offset
+
+    def pool_view(self, layer_index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """Every layer's cache as one tensor of blocks, and where layer
+        ``layer_index``'s start; ``(None, 0)`` where the layers do not lie so.
+
+        vLLM 0.32 places all layers in one allocation (``allocate_kv_cache``),
+        each a dense ``[num_blocks, ...]`` view (the backend's view of a
+        block, ``H`` head-pages of ``block_size`` tokens) at its own offset,
+        so block ``b`` of that layer is block ``offset + b`` of the whole.
+        """
+        block_elems = kv_cache[0].numel()
+        offset = kv_cache.storage_offset()
+        if not kv_cache.is_contiguous() or offset % block_elems:
+            return None, 0
+        storage = kv_cache.untyped_storage()
+        if self.global_cache is None or self.global_cache.untyped_storage().data_ptr() != storage.data_ptr():
+            total = storage.nbytes() // kv_cache.element_size() // block_elems
+            flat = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
+            flat.set_(storage, 0, (total * block_elems,))
+            self.global_cache = flat.view(total, *kv_cache.shape[1:])
             self.layer_block_offset = {}
         self.layer_block_offset[layer_index] = offset // block_elems
         return self.global_cache, offset // block_elems
