@@ -193,6 +193,7 @@ def make_kv_cache(
 def engine_step(
     setup: Setup, raw: torch.Tensor, allocated: int, num_blocks: int, layout: str, requests: Requests,
     window_q: torch.Tensor, layers: int, evict: int, storage: str, policy: str = "snapkv",
+    every_layer: bool = False,
 ) -> Callable[[], None]:
     """One eviction step of every layer as serving runs it on the Triton path:
     the eviction engine's entry point for every request of the layer, on
@@ -210,10 +211,14 @@ def engine_step(
     a decode-time point), restored each run too; criticalkv: CriticalKV on
     Expected Attention (RoPE of base 500,000), an output projection of
     ``d_model =`` query heads x head_dim, the value factor by the Triton
-    kernel."""
+    kernel. ``every_layer`` (head pages, layout LBHNC): every layer's
+    evictions as one call after the step's last layer, as serving runs a
+    step whose points are at its end (``compact_layers_many`` on the pool
+    of every layer's blocks; the layers beyond those allocated share their
+    blocks, so their items move the same tokens)."""
     from vllm_kvevict.eviction.allocation import AdaKVAllocation, UniformAllocation
     from vllm_kvevict.eviction.cache_ops import EvictionObserver
-    from vllm_kvevict.eviction.head_pages import compact_head_pages_many
+    from vllm_kvevict.eviction.head_pages import compact_head_pages_many, compact_layers_many
     from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, StreamRows
     from vllm_kvevict.eviction.select import KeepRule
     from vllm_kvevict.eviction.slots import evict_slots_many
@@ -277,6 +282,10 @@ def engine_step(
 
     inputs = [scoring_inputs(b) for b in range(batch)]
     observer = EvictionObserver()
+    pool = None
+    if every_layer:
+        assert storage == "head_pages" and layout == "LBHNC", "every layer at once: head pages in one pool (LBHNC)"
+        pool = TritonPagedCache(raw.view(setup.dtype).view(allocated * num_blocks, heads, ps, 2 * setup.head_dim))
 
     def run() -> None:
         for layer_rows in rows:
@@ -285,6 +294,7 @@ def engine_step(
             torch._foreach_copy_([r.positions for r in layer_rows], list(positions0.unbind(0)))
             if moments0 is not None:
                 moments0.unstack_into([r.moments for r in layer_rows])
+        step = []
         for layer, (cache, layer_rows) in enumerate(zip(caches, rows)):
             evictions = [
                 LayerEviction(
@@ -294,10 +304,19 @@ def engine_step(
                 )
                 for b in range(batch)
             ]
-            if storage == "head_pages":
+            if pool is not None:
+                step += [(layer, e) for e in evictions]
+            elif storage == "head_pages":
                 compact_head_pages_many(cache, rule, evictions, layer, observer, [[length - 1] * heads] * batch)
             else:
                 evict_slots_many(cache, rule, evictions, layer, observer)
+        if pool is not None:
+            offsets = [(layer % allocated) * num_blocks for layer, _ in step]
+            kept = compact_layers_many(
+                pool, rule, [e for _, e in step], [layer for layer, _ in step], offsets, observer,
+                [[length - 1] * heads] * len(step),
+            )
+            assert kept is not None, "the step's evictions did not run as one batch"
 
     return run
 
@@ -570,6 +589,10 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
                                         evict, "head_pages", "momentkv"))
     t_critical = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q, layers,
                                          evict, "head_pages", "criticalkv"))
+    t_layers = None
+    if args.layout == "LBHNC":
+        t_layers = setup.timer(engine_step(setup, raw, allocated, num_blocks, args.layout, requests, window_q,
+                                           layers, evict, "head_pages", every_layer=True))
     t_score = setup.timer(scores)
     t_kernel = setup.timer(kernel_scores)
     t_ordered = setup.timer(compaction(kept))
@@ -595,6 +618,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         "engine_momentkv_eviction_over_decode": t_moments / t_decode,
         "engine_criticalkv_eviction_step_us": t_critical * 1e6,
         "engine_criticalkv_eviction_over_decode": t_critical / t_decode,
+        "engine_every_layer_eviction_step_us": t_layers * 1e6 if t_layers is not None else None,
+        "engine_every_layer_eviction_over_decode": t_layers / t_decode if t_layers is not None else None,
     }
     print(
         "| scores | decode step (µs) | scores (µs) | keys once (µs) | compaction (µs) | compaction, hole filling (µs) | "
@@ -616,6 +641,8 @@ def target_eviction(setup: Setup, args: argparse.Namespace, copy_bw: float) -> d
         ("the served path, head pages, MomentKV (AdaKV, one round, the moments folded; one batch)", t_moments),
         ("the served path, head pages, CriticalKV (AdaKV, Expected Attention's base, the value factor by its "
          "kernel; one batch)", t_critical),
+        *((("the served path, head pages, every layer at the step's end (compact_layers_many, AdaKV + SnapKV, "
+            "every request and layer as one batch)", t_layers),) if t_layers is not None else ()),
     ):
         print(
             f"| {label} | {t_decode * 1e6:,.0f} | | {t_keys * 1e6:,.0f} | | | {t_e * 1e6:,.0f} | "

@@ -244,9 +244,11 @@ if t:
                  f"decode {t['decode_step_us'] / 1e3:,.1f} ms = {t['eviction_over_decode']:.2f}x, "
                  f"{100 * t['eviction_over_decode_per_step']:.1f}% per decode step at interval {t['decode_interval']}")
     for name, key in (("head pages, AdaKV + SnapKV", "engine"), ("slots, SnapKV", "engine_slots"),
-                      ("head pages, MomentKV", "engine_momentkv"), ("head pages, CriticalKV", "engine_criticalkv")):
-        parts.append(f"served path, {name}: {t[key + '_eviction_step_us'] / 1e3:,.1f} ms = "
-                     f"{t[key + '_eviction_over_decode']:.2f}x a decode step")
+                      ("head pages, MomentKV", "engine_momentkv"), ("head pages, CriticalKV", "engine_criticalkv"),
+                      ("head pages, every layer at once, AdaKV + SnapKV", "engine_every_layer")):
+        if t.get(key + '_eviction_step_us') is not None:
+            parts.append(f"served path, {name}: {t[key + '_eviction_step_us'] / 1e3:,.1f} ms = "
+                         f"{t[key + '_eviction_over_decode']:.2f}x a decode step")
 v = f.get("value_factor")
 if v:
     layers = t["layers"] if t else 1
