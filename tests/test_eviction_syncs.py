@@ -35,7 +35,7 @@ from vllm_kvevict.eviction.point import (
     observation_rows,
 )
 from vllm_kvevict.eviction.select import KeepRule
-from vllm_kvevict.eviction.slots import evict_slots_many
+from vllm_kvevict.eviction.slots import evict_slots_layers_many, evict_slots_many
 from vllm_kvevict.moments import EvictedMoments
 from vllm_kvevict.plugin.backends.triton.cache import TritonPagedCache
 from vllm_kvevict.policies import RotaryFrequencies, ScoringInputs, make_policy
@@ -299,6 +299,33 @@ def layers_step(num_requests: int, num_heads: int, name: str) -> HostReads:
     return reads
 
 
+def slots_layers_step(num_requests: int, num_heads: int) -> HostReads:
+    """Three layers' slots evictions at the step's end as one batch on the pool."""
+    requests = Requests(num_requests, num_heads, layers=3)
+    rule = KeepRule(make_policy("snapkv"), UniformAllocation(), SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def evictions(point: int, last: int, layer: int) -> list[LayerEviction]:
+        evs = [requests.point(r, point, last) for r in range(num_requests)]
+        return [
+            LayerEviction(ev, StreamRows(requests.rows[r][layer].positions), requests.block_rows[r],
+                          requests.scoring_inputs(r, ev, layer=layer))
+            for r, ev in enumerate(evs)
+        ]
+
+    for layer in range(3):
+        evict_slots_many(requests.layer_cache(layer), rule, evictions(FIRST, 0, layer), layer, observer)
+    batch = [e for layer in range(3) for e in evictions(SECOND, FIRST, layer)]  # the windows: in each forward
+    layers = [layer for layer in range(3) for _ in range(num_requests)]
+    with count_host_reads() as reads:
+        requests.reads = reads
+        kept = evict_slots_layers_many(
+            requests.cache, rule, batch, layers, [requests.offsets[layer] for layer in layers], observer
+        )
+    assert kept is not None
+    return reads
+
+
 # case: (its eviction step, the engine's host reads per call). Head pages with
 # SnapKV: the selection's read, the counts read back (the test does not pass
 # them), and one copy of the requests' points, budgets and window sizes to
@@ -326,6 +353,7 @@ CASES = {
         lambda r, h: head_pages_step(r, h, AdaKVAllocation(0.2), "defensivekv"), 3
     ),
     "slots, SnapKV": (slots_step, 2),
+    "slots, 3 layers at the step's end, SnapKV": (slots_layers_step, 2),
     "head_pages, 3 layers at the step's end, AdaKV + SnapKV": (lambda r, h: layers_step(r, h, "snapkv"), 2),
     "head_pages, 3 layers at the step's end, MomentKV": (lambda r, h: layers_step(r, h, "momentkv"), 2),
     "head_pages, 3 layers at the step's end, AdaKV + DefensiveKV": (
@@ -737,6 +765,62 @@ def test_slots_of_requests_at_their_own_points_keep_what_each_keeps_alone(policy
     assert torch.equal(together.cache.kv_cache, alone.cache.kv_cache)
     for rows_together, rows_alone in zip(together.rows, alone.rows):
         assert torch.equal(rows_together[0].positions, rows_alone[0].positions)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "keydiff", "expected_attention"])
+def test_slots_of_every_layer_at_a_steps_end_keep_what_each_layer_keeps(policy: str) -> None:
+    """The slots storage's evictions of every layer at a step's end, run as
+    one batch on the pool of every layer's blocks (each layer with its own
+    window), keep, write and record what each layer's own batch keeps on
+    its own cache: the same counts, positions and cache, in one compaction
+    launch for every layer; one request's frontier stays in its block
+    (positions only)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    budgets = [48, 64, 96, 32]
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    together, apart = (Requests(len(budgets), 3, layers=3, seed=seed) for _ in range(2))
+    rule = KeepRule(make_policy(policy, {"kernel_size": 7} if policy == "snapkv" else {}), UniformAllocation(),
+                    SINKS, RECENT)
+    observer = EvictionObserver()
+
+    def evictions(requests: Requests, layer: int, step: list[tuple[int, int, int]]) -> list[LayerEviction]:
+        cut = lambda r, p: max((p - budgets[r]) // BLOCK * BLOCK, 0) if p else 0  # noqa: E731
+        out = []
+        for r, at, last in step:
+            ev = EvictionPoint(f"r{r}", r, r, r, at - 1, last, cut(r, last), at, cut(r, at), at)
+            out.append(LayerEviction(ev, StreamRows(requests.rows[r][layer].positions), requests.block_rows[r],
+                                     requests.scoring_inputs(r, ev, layer=layer)))
+        return out
+
+    firsts = [int(torch.randint(100, 150, (), generator=gen)) for _ in budgets[:3]] + [128]
+    steps = [
+        [(r, firsts[r], 0) for r in range(len(budgets))],
+        [(r, firsts[r] + int(torch.randint(20, 80, (), generator=gen)), firsts[r]) for r in range(3)]
+        + [(3, firsts[3] + 1, firsts[3])],
+    ]
+    for step in steps:
+        batch = [e for layer in range(3) for e in evictions(together, layer, step)]
+        layers = [layer for layer in range(3) for _ in step]
+        with count_host_reads() as reads:
+            together.reads = reads
+            got = evict_slots_layers_many(
+                together.cache, rule, batch, layers, [together.offsets[layer] for layer in layers], observer
+            )
+        together.reads = None
+        assert got is not None
+        assert reads.launches(lambda site: site.startswith("compact_head_pages")) == 1, reads.table()
+        want = [
+            counts for layer in range(3)
+            for counts in evict_slots_many(apart.layer_cache(layer), rule, evictions(apart, layer, step), layer,
+                                           observer)
+        ]
+        assert got == want
+    assert got[-1] is None and got[0] is not None
+    assert torch.equal(together.cache.kv_cache, apart.cache.kv_cache)
+    for rows_together, rows_apart in zip(together.rows, apart.rows):
+        for a, b in zip(rows_together, rows_apart):
+            assert torch.equal(a.positions, b.positions)
+    assert len({tuple(rows.positions.flatten().tolist()) for rows in together.rows[0]}) > 1  # layers apart
 
 
 def test_a_waves_observation_queries_are_each_points_own() -> None:

@@ -567,14 +567,7 @@ def _compact_together(
         pool_block_rows = block_rows.long() + host[7][:, None]
         pool_pages = pages + (host[7] * num_heads)[:, None, None]
     moments = EvictedMoments.stack([r.moments for r in rows]) if rows[0].moments is not None else None  # type: ignore[misc]
-    # One scoring call, or one per run of evictions that share the model parts
-    # the policy scores with (a layer's output projection; its RoPE).
-    cuts = [
-        i for i in range(1, len(windows))
-        if policy.needs_output_projection and windows[i].output_projection is not windows[i - 1].output_projection
-        or policy.needs_rotary and windows[i].rotary is not windows[i - 1].rotary
-    ]
-    runs = [slice(a, b) for a, b in zip([0, *cuts], [*cuts, len(windows)])]
+    runs = score_runs(policy, windows)
     scored = []
     for run in runs:
         group = ScoredTokens.score(
@@ -625,6 +618,19 @@ def _compact_together(
             block_offsets=(offsets[r] if offsets is not None else 0,),
         ))
     return list(counts.unbind(0))
+
+
+def score_runs(policy: EvictionPolicy, windows: Sequence[ScoringInputs]) -> list[slice]:
+    """The runs of adjacent evictions scored in one call: all of them, or,
+    where the policy scores with model parts (a layer's output projection,
+    its RoPE), each run sharing the same ones (the scoring inputs' objects:
+    one layer's evictions)."""
+    cuts = [
+        i for i in range(1, len(windows))
+        if policy.needs_output_projection and windows[i].output_projection is not windows[i - 1].output_projection
+        or policy.needs_rotary and windows[i].rotary is not windows[i - 1].rotary
+    ]
+    return [slice(a, b) for a, b in zip([0, *cuts], [*cuts, len(windows)])]
 
 
 @dataclass

@@ -17,7 +17,9 @@ import torch
 
 from vllm_kvevict.eviction.allocation import allocate_request_tokens
 from vllm_kvevict.eviction.cache_ops import CacheOps, EvictionObserver, Released
-from vllm_kvevict.eviction.head_pages import ScoredTokens, compacts_together, window_inputs, window_sizes
+from vllm_kvevict.eviction.head_pages import (
+    ScoredTokens, compacts_together, score_runs, window_inputs, window_sizes,
+)
 from vllm_kvevict.eviction.point import EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows
 from vllm_kvevict.eviction.select import KeepRule, Selection, choose_kept_many
 from vllm_kvevict.schedule import cdiv
@@ -57,7 +59,7 @@ def evict_slots_many(
     moves are evicted as one batch (:func:`_evict_together`)."""
     bs = cache.block_size
     if evictions and compacts_together(cache, rule, evictions):
-        together = _evict_together(cache, rule, evictions, layer, observer)
+        together = _evict_together(cache, rule, evictions, [layer] * len(evictions), observer)
         if together is not None:
             return together
     results: list[list[int] | None] = [None] * len(evictions)
@@ -103,8 +105,32 @@ def evict_slots_many(
     return results
 
 
+def evict_slots_layers_many(
+    cache: CacheOps,
+    rule: KeepRule,
+    evictions: Sequence[LayerEviction],
+    layers: Sequence[int],
+    offsets: Sequence[int],
+    observer: EvictionObserver,
+) -> list[list[int] | None] | None:
+    """The evictions of several layers (each eviction's ``layers``, a
+    layer's adjacent) as one batch on ``cache``, the pool of every layer's
+    blocks (``offsets``: where each eviction's layer's blocks start in it),
+    as :func:`evict_slots_many` would evict each layer: the step's
+    evictions at its end, when no token of the step attends after them.
+    ``None``, having moved no token (the positions of a request whose
+    frontier stays in its block may be recorded, as the fallback records
+    them again), where they do not run as one batch
+    (:func:`~vllm_kvevict.eviction.head_pages.compacts_together`) or a
+    request must fall back, and the caller evicts layer by layer."""
+    if not evictions or not compacts_together(cache, rule, evictions):
+        return None
+    return _evict_together(cache, rule, evictions, layers, observer, offsets)
+
+
 def _evict_together(
-    cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction], layer: int, observer: EvictionObserver,
+    cache: CacheOps, rule: KeepRule, evictions: Sequence[LayerEviction], layers: Sequence[int],
+    observer: EvictionObserver, offsets: Sequence[int] | None = None,
 ) -> list[list[int] | None] | None:
     """:func:`evict_slots_many` for every request whose frontier moves at
     once, as head pages see them: a head's tokens kept at earlier points
@@ -118,7 +144,11 @@ def _evict_together(
     slots from ``frontier_after`` (whole head-pages of the request's
     blocks), one launch for every request. Nothing else is read but the
     selection's one check (NaN, pages); ``None`` where a request must fall
-    back, and the caller evicts request by request."""
+    back, and the caller evicts request by request. ``layers``: each
+    eviction's layer; with ``offsets`` (where each eviction's layer's blocks
+    start in ``cache``, a pool of every layer's blocks) several layers'
+    evictions run as one batch, scored as
+    :func:`~vllm_kvevict.eviction.head_pages.score_runs` splits them."""
     bs, num_heads = cache.block_size, cache.num_heads
     results: list[list[int] | None] = [None] * len(evictions)
     moving = []
@@ -146,11 +176,14 @@ def _evict_together(
     positions = torch.stack([e.rows.positions for e in chosen])  # [R, H, C]
     device = block_rows.device
     windows = window_inputs(chosen, device, rule.policy)
+    in_pool = offsets is not None and any(offsets)
     host = torch.tensor([
         ends, [ev.point for ev in evs], [ev.frontier_before // bs for ev in evs],
         [ev.frontier_after // bs for ev in evs], compacted, keeps, [num_heads * n for n in keeps],
         window_sizes(windows),
-    ], dtype=torch.int64).to(device)
+    ] + ([[offsets[i] for i in moving]] if in_pool else []), dtype=torch.int64).to(device)  # type: ignore[index]
+    if in_pool:  # the layers' blocks as the pool names them
+        block_rows = block_rows.long() + host[8][:, None]
     num_requests = len(chosen)
     # Head h's kept tokens before and after: whole head-pages of the blocks
     # from frontier_before, and from frontier_after.
@@ -162,10 +195,15 @@ def _evict_together(
         return (block_rows.long().gather(1, index)[:, None, :] * num_heads + heads).to(torch.int32)  # [R, H, P]
 
     pages, lens = head_pages(host[2]), host[4][:, None].expand(-1, num_heads)
-    voted = ScoredTokens.score(cache, rule, windows, host[7], pages, lens, positions, block_rows, host[0], host[1],
-                              width)
-    if voted is None:
-        return None
+    runs = score_runs(rule.policy, windows)
+    scored = []
+    for run in runs:
+        group = ScoredTokens.score(cache, rule, windows[run], host[7][run], pages[run], lens[run], positions[run],
+                                   block_rows[run], host[0][run], host[1][run], width)
+        if group is None:
+            return None
+        scored.append(group)
+    voted = scored[0] if len(scored) == 1 else ScoredTokens.cat(scored)
     # Every head keeps exactly its request's count: one-token pages split uniformly.
     counts = allocate_request_tokens(
         rule.allocation, voted.scores.view(num_requests, num_heads, width), host[6][:, None],
@@ -174,9 +212,10 @@ def _evict_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
     if any(checks):  # a NaN score, or a head that cannot keep its count
         return None
-    scores = voted.refined(rule.policy, counts)
-    if scores is None:
+    refined = [group.refined(rule.policy, counts[run]) for group, run in zip(scored, runs)]
+    if any(scores is None for scores in refined):
         return None
+    scores = refined[0] if len(refined) == 1 else torch.cat(refined)  # type: ignore[arg-type]
     kept = select_top(scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
     cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
     new_positions = voted.positions.gather(2, kept.clamp(min=0)).to(positions.dtype)
@@ -187,7 +226,7 @@ def _evict_together(
     for i, eviction, keep in zip(moving, chosen, keeps):
         ev = eviction.ev
         observer.released(cache, Released(
-            freed_blocks=eviction.block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer=layer
+            freed_blocks=eviction.block_row[ev.frontier_before // bs : ev.frontier_after // bs], layer=layers[i]
         ))
         results[i] = [keep] * num_heads
     return results

@@ -35,7 +35,7 @@ from vllm_kvevict.eviction.point import (
     EvictionPoint, LayerEviction, ScoringInputsFor, StreamRows, observation_queries_many,
     observation_rows,
 )
-from vllm_kvevict.eviction.slots import evict_slots_many
+from vllm_kvevict.eviction.slots import evict_slots_layers_many, evict_slots_many
 from vllm_kvevict.policies import ScoringInputs
 from vllm_kvevict.plugin.worker.gate_capture import current_capture
 from vllm_kvevict.plugin.worker.layer_neighbours import model_parts
@@ -205,9 +205,12 @@ class EvictingImpl:
                 for ev, window in zip(wave, windows)
             ]
             if plan.storage == "slots":
-                for counts in evict_slots_many(cache, plan.rule, evictions, layer_index, plan.observer):
-                    if counts is not None:
-                        state.observe_head_retained(counts)
+                if self._defers(plan, layer_index, kv_cache, cache, evictions):
+                    plan.deferred.append((layer_index, cache, evictions, []))
+                else:
+                    for counts in evict_slots_many(cache, plan.rule, evictions, layer_index, plan.observer):
+                        if counts is not None:
+                            state.observe_head_retained(counts)
             else:
                 lengths = plan.compacted_lengths(layer_index, wave_index)
                 if self._defers(plan, layer_index, kv_cache, cache, evictions):
@@ -242,8 +245,9 @@ class EvictingImpl:
         self, plan: EvictionStepPlan, layer_index: int, kv_cache: torch.Tensor, cache: CacheOps,
         evictions: list[LayerEviction],
     ) -> bool:
-        """Whether this layer's evictions wait for the step's last layer, to
-        run there as one batch of every layer (:meth:`_compact_deferred`):
+        """Whether this layer's evictions (head pages or slots) wait for the
+        step's last layer, to run there as one batch of every layer
+        (:meth:`_compact_deferred`):
         decided at the step's first evicting layer, where every compacting
         point is at the step's end (no token of the step attends after it,
         so a layer may evict after the later layers ran), the batch would
@@ -255,7 +259,7 @@ class EvictingImpl:
             plan.defers_to_step_end = (
                 layer_index < state.num_layers - 1
                 and len(waves) == 1
-                and all(ev.segment_end == ev.point for ev in waves[0] if ev.compacts)
+                and all(ev.segment_end == ev.point for ev in waves[0] if ev.compacts or plan.storage == "slots")
                 and compacts_together(cache, plan.rule, evictions)
             )
         if not plan.defers_to_step_end:
@@ -272,7 +276,8 @@ class EvictingImpl:
     def _compact_deferred(self, plan: EvictionStepPlan, together: bool = True) -> None:
         """The evictions that waited for the last layer, every layer's as one
         batch on the pool of every layer's blocks
-        (:func:`~vllm_kvevict.eviction.head_pages.compact_layers_many`), or
+        (:func:`~vllm_kvevict.eviction.head_pages.compact_layers_many`,
+        :func:`~vllm_kvevict.eviction.slots.evict_slots_layers_many`), or
         layer by layer where they do not run as one (or not ``together``)."""
         state, deferred, layer_offsets = plan.state, plan.deferred, plan.deferred_offsets
         plan.deferred, plan.deferred_offsets = [], []
@@ -280,10 +285,27 @@ class EvictingImpl:
             return
         evictions = [e for _, _, layer_evictions, _ in deferred for e in layer_evictions]
         layers = [layer_index for layer_index, _, layer_evictions, _ in deferred for _ in layer_evictions]
+        offsets = [o for o, (_, _, layer_evictions, _) in zip(layer_offsets, deferred) for _ in layer_evictions]
+        if plan.storage == "slots":
+            retained = None
+            if together and state.global_cache is not None:
+                retained = evict_slots_layers_many(
+                    self.kernels.pool_cache(state.global_cache, plan), plan.rule, evictions, layers, offsets,
+                    plan.observer,
+                )
+            if retained is None:
+                retained = [
+                    counts
+                    for layer_index, cache, layer_evictions, _ in deferred
+                    for counts in evict_slots_many(cache, plan.rule, layer_evictions, layer_index, plan.observer)
+                ]
+            for counts in retained:
+                if counts is not None:
+                    state.observe_head_retained(counts)
+            return
         kept = None
         if together and state.global_cache is not None:
             lengths = [n for _, _, _, layer_lengths in deferred for n in layer_lengths]
-            offsets = [o for o, (_, _, layer_evictions, _) in zip(layer_offsets, deferred) for _ in layer_evictions]
             kept = compact_layers_many(
                 self.kernels.pool_cache(state.global_cache, plan), plan.rule, evictions, layers, offsets,
                 plan.observer, lengths,
