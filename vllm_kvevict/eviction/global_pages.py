@@ -291,16 +291,12 @@ def _compact_global_together(
     groups = [slice(None)]
     if policy.needs_output_projection or policy.needs_rotary:
         groups = [slice(layer, None, num_layers) for layer in range(num_layers)]
-    scored = []
-    for items_of in groups:
-        group = ScoredTokens.score(
-            cache, rule, windows[items_of], query_lens[items_of], pages[items_of], lens[items_of],
-            positions[items_of], item_block_rows[items_of], item_starts[items_of], item_points[items_of], width,
-            log_beta_pages=log_beta_pages,
-        )
-        if group is None:
-            return None
-        scored.append(group)
+    scored = ScoredTokens.score_runs(
+        cache, rule, groups, windows, query_lens, pages, lens, positions, item_block_rows, item_starts, item_points,
+        width, log_beta_pages=log_beta_pages,
+    )
+    if scored is None:
+        return None
 
     def per_item(field: str) -> torch.Tensor:
         """A field of the groups' items, ``[R * L, H, S]`` request-major."""
@@ -321,13 +317,11 @@ def _compact_global_together(
         return None
     if policy.refines:
         item_counts = counts.view(num_requests, num_layers, num_heads)
-        refined = []
-        for group, items_of in zip(scored, groups):
-            group_counts = item_counts.flatten(0, 1) if len(groups) == 1 else item_counts[:, items_of.start]
-            scores_of = group.refined(policy, group_counts)
-            if scores_of is None:
-                return None
-            refined.append(scores_of)
+        refined = ScoredTokens.refined_runs(
+            scored, policy, [item_counts.flatten(0, 1)] if len(groups) == 1 else list(item_counts.unbind(1))
+        )
+        if refined is None:
+            return None
         scored = [replace(group, scores=scores_of) for group, scores_of in zip(scored, refined)]
         scores = per_item("scores").view(num_requests, streams, width)
     kept = select_top(scores.flatten(0, 1), counts.flatten(), width=min(width, max(total_pages) * bs))

@@ -568,15 +568,12 @@ def _compact_together(
         pool_pages = pages + (host[7] * num_heads)[:, None, None]
     moments = EvictedMoments.stack([r.moments for r in rows]) if rows[0].moments is not None else None  # type: ignore[misc]
     runs = score_runs(policy, windows)
-    scored = []
-    for run in runs:
-        group = ScoredTokens.score(
-            cache, rule, windows[run], host[6][run], pool_pages[run], lens[run], positions[run],
-            pool_block_rows[run], host[0][run], host[1][run], width, moments[run] if moments is not None else None,
-        )
-        if group is None:
-            return None
-        scored.append(group)
+    scored = ScoredTokens.score_runs(
+        cache, rule, runs, windows, host[6], pool_pages, lens, positions, pool_block_rows, host[0], host[1], width,
+        moments,
+    )
+    if scored is None:
+        return None
     voted = scored[0] if len(scored) == 1 else ScoredTokens.cat(scored)
     num_requests = len(evictions)
     counts = allocate_request_tokens(
@@ -587,10 +584,10 @@ def _compact_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), used.sum(-1)]).tolist()  # the one host read
     if checks[0] or any(n > total for n, total in zip(checks[1:], total_pages)):
         return None
-    refined = [group.refined(policy, counts[run]) for group, run in zip(scored, runs)]
-    if any(scores is None for scores in refined):
+    refined = ScoredTokens.refined_runs(scored, policy, [counts[run] for run in runs])
+    if refined is None:
         return None
-    scores = refined[0] if len(refined) == 1 else torch.cat(refined)  # type: ignore[arg-type]
+    scores = refined[0] if len(refined) == 1 else torch.cat(refined)
     kept = select_top(scores, counts.flatten(), width=min(width, max(total_pages) * bs))
     kept = kept.unflatten(0, (num_requests, num_heads))
     free_pages = _kept_head_pages(block_rows, host[2], host[3], max(kept_blocks), num_heads)
@@ -720,6 +717,36 @@ class ScoredTokens:
         return cls(
             cat("addresses"), cat("live"), cat("positions"), cat("raw"), cat("scores"), groups[0].inputs, log_beta
         )
+
+    @classmethod
+    def score_runs(
+        cls, cache: CacheOps, rule: KeepRule, runs: Sequence[slice], windows: Sequence[ScoringInputs],
+        query_lens: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
+        block_rows: torch.Tensor, starts: torch.Tensor, points: torch.Tensor, width: int,
+        moments: EvictedMoments | None = None, log_beta_pages: torch.Tensor | None = None,
+    ) -> list[ScoredTokens] | None:
+        """:meth:`score` of each run of the requests (``runs``: slices of
+        the request dimension of every other argument, e.g. each layer's
+        requests, :func:`score_runs`), a call each; ``None`` when one raised."""
+        scored = []
+        for run in runs:
+            group = cls.score(
+                cache, rule, windows[run], query_lens[run], pages[run], lens[run], positions[run], block_rows[run],
+                starts[run], points[run], width, moments[run] if moments is not None else None, log_beta_pages,
+            )
+            if group is None:
+                return None
+            scored.append(group)
+        return scored
+
+    @staticmethod
+    def refined_runs(
+        groups: Sequence[ScoredTokens], policy: EvictionPolicy, counts: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """:meth:`refined` of each group, with its requests' ``counts``
+        (one ``[R_g, H]`` each); ``None`` when one raised."""
+        refined = [group.refined(policy, group_counts) for group, group_counts in zip(groups, counts)]
+        return None if any(scores is None for scores in refined) else refined  # type: ignore[return-value]
 
     def refined(self, policy: EvictionPolicy, counts: torch.Tensor) -> torch.Tensor | None:
         """The scores the heads keep their ``counts [R, H]`` by: the

@@ -196,13 +196,11 @@ def _evict_together(
 
     pages, lens = head_pages(host[2]), host[4][:, None].expand(-1, num_heads)
     runs = score_runs(rule.policy, windows)
-    scored = []
-    for run in runs:
-        group = ScoredTokens.score(cache, rule, windows[run], host[7][run], pages[run], lens[run], positions[run],
-                                   block_rows[run], host[0][run], host[1][run], width)
-        if group is None:
-            return None
-        scored.append(group)
+    scored = ScoredTokens.score_runs(
+        cache, rule, runs, windows, host[7], pages, lens, positions, block_rows, host[0], host[1], width
+    )
+    if scored is None:
+        return None
     voted = scored[0] if len(scored) == 1 else ScoredTokens.cat(scored)
     # Every head keeps exactly its request's count: one-token pages split uniformly.
     counts = allocate_request_tokens(
@@ -212,10 +210,10 @@ def _evict_together(
     checks = torch.cat([voted.raw.isnan().sum().view(1), (counts != host[5][:, None]).sum().view(1)]).tolist()
     if any(checks):  # a NaN score, or a head that cannot keep its count
         return None
-    refined = [group.refined(rule.policy, counts[run]) for group, run in zip(scored, runs)]
-    if any(scores is None for scores in refined):
+    refined = ScoredTokens.refined_runs(scored, rule.policy, [counts[run] for run in runs])
+    if refined is None:
         return None
-    scores = refined[0] if len(refined) == 1 else torch.cat(refined)  # type: ignore[arg-type]
+    scores = refined[0] if len(refined) == 1 else torch.cat(refined)
     kept = select_top(scores, counts.flatten(), width=max(keeps)).unflatten(0, (num_requests, num_heads))
     cache.compact_many(voted.addresses, voted.live.sum(-1), kept.clamp(min=0), counts, head_pages(host[3]))  # type: ignore[attr-defined]
     new_positions = voted.positions.gather(2, kept.clamp(min=0)).to(positions.dtype)

@@ -137,10 +137,11 @@ class EvictionStepPlan:
     # Where each wave's observation queries are (key: the wave, or -1 for the
     # pooled layers' last compacting points), found at the first layer.
     observation_rows: dict[int, ObservationRows] = field(default_factory=dict)
-    # head_pages on a cache that compacts in place, every point at the step's
-    # end: whether each layer's evictions wait for the last layer, to run as
-    # one batch of every layer (decided at the first layer), and those waiting:
-    # (layer index, the layer's cache, its evictions, their compacted lengths).
+    # head_pages or slots on a cache that compacts in place, every point at the
+    # step's end: whether each layer's evictions wait for the last layer, to run
+    # as one batch of every layer (decided at the first layer), and those waiting:
+    # (layer index, the layer's cache, its evictions, their compacted lengths,
+    # none with slots).
     defers_to_step_end: bool | None = None
     deferred: list[tuple[int, Any, list[LayerEviction], list[list[int]]]] = field(default_factory=list)
     deferred_offsets: list[int] = field(default_factory=list)  # each waiting layer's blocks in the pool
